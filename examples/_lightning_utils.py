@@ -1,0 +1,92 @@
+"""Plumbing shared by the Lightning examples: flags, data loaders, ``Trainer``, a loss printer.
+
+Not an example itself: ``lightning_pipeline.py`` and ``lightning_embedding_ps.py`` import it
+with ``from _lightning_utils import ...`` (running ``examples/<name>.py`` puts ``examples/`` on
+``sys.path``). The models, data and strategy stay in the examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import lightning as L
+from lightning.pytorch.strategies import Strategy
+from torch.utils.data import DataLoader, Dataset
+
+
+def lightning_parser(doc: str, lr: float) -> argparse.ArgumentParser:
+    """The Lightning examples' flags: ``--max-steps``, ``--fast``, ``--epochs``, ...
+
+    Args:
+        doc: the example's docstring; its first line describes the program in ``--help``.
+        lr: the default of ``--lr``.
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--max-steps", type=int, default=-1, help="stop after N steps")
+    parser.add_argument("--fast", action="store_true", help="a small dataset")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32, help="per trainer")
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    parser.add_argument("--accelerator", default="cpu", help="cpu, gpu or auto (trainers)")
+    return parser
+
+
+class PrintLoss(L.Callback):
+    """Print the (trainer-averaged) training loss every ``every`` steps, on trainer 0.
+
+    ``first`` and ``last`` are the mean losses of the first and the last ``window`` batches.
+    """
+
+    def __init__(self, every: int = 20, window: int = 5):
+        self.every, self.window = every, window
+        self.losses: list[float] = []
+
+    @property
+    def first(self) -> float:
+        return sum(self.losses[:self.window]) / len(self.losses[:self.window])
+
+    @property
+    def last(self) -> float:
+        return sum(self.losses[-self.window:]) / len(self.losses[-self.window:])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = trainer.callback_metrics.get("train_loss")
+        if loss is None:
+            return
+        self.losses.append(float(loss))
+        if trainer.is_global_zero and trainer.global_step % self.every == 0:
+            print(f"\nstep {trainer.global_step:4d}  loss {self.losses[-1]:.4f}", flush=True)
+
+    def summary(self) -> tuple[float, float]:
+        """Print ``loss: first ... -> last ...`` and return ``(first, last)``."""
+        print(f"loss: first {self.first:.4f} -> last {self.last:.4f}", flush=True)
+        return self.first, self.last
+
+
+def loaders(make_dataset: Callable[..., Dataset], samples: int,
+            batch_size: int) -> tuple[DataLoader, DataLoader]:
+    """Shuffled training batches of ``make_dataset(samples, seed=1)`` and validation batches
+    of ``make_dataset(256, seed=2)``."""
+    train = DataLoader(make_dataset(samples, seed=1), batch_size=batch_size, shuffle=True)
+    val = DataLoader(make_dataset(256, seed=2), batch_size=batch_size)
+    return train, val
+
+
+def make_trainer(strategy: Strategy, args: argparse.Namespace) -> tuple[L.Trainer, PrintLoss]:
+    """An ``L.Trainer`` with ``strategy`` and the settings of :func:`lightning_parser`'s flags,
+    and its only callback, a :class:`PrintLoss` (no logger, checkpoints or model summary)."""
+    printer = PrintLoss(every=20 if args.fast else 100)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator=args.accelerator,
+        max_epochs=args.epochs,
+        max_steps=args.max_steps,
+        precision=args.precision,
+        callbacks=[printer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    return trainer, printer

@@ -1,0 +1,243 @@
+"""Distributed autograd over MPI with the API of ``torch.distributed.autograd``.
+
+Every RPC made inside a :class:`context` whose tensors require grad records a
+send function on the sender and a recv function on the receiver;
+:func:`backward` then runs the FAST-mode backward pass across all workers the
+context reached, and :func:`get_gradients` returns the gradients accumulated
+on this worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..rpc import _core, _hooks
+from . import _engine
+from ._context import DistAutogradContext
+from ._engine import container
+from ._functions import record_recv, record_send
+
+__all__ = ["context", "backward", "get_gradients", "is_available", "DistAutogradContext"]
+
+
+def is_available() -> bool:
+    return True
+
+
+class context:
+    r"""Context manager for one distributed forward/backward pass; yields its id.
+
+    Leaving it releases the context here and, asynchronously, on every worker
+    the context reached.
+
+    Example::
+        Run with ``mpiexec -n 2 python -m mpi4py example.py``:
+
+        >>> # xdoctest: +SKIP
+        >>> import torch
+        >>> import lightning_distgrad.rpc as rpc
+        >>> import lightning_distgrad.autograd as dist_autograd
+        >>> # On worker 0:
+        >>> rpc.init_rpc()
+        >>> t1 = torch.rand((3, 3), requires_grad=True)
+        >>> t2 = torch.rand((3, 3), requires_grad=True)
+        >>> with dist_autograd.context() as context_id:
+        ...     loss = rpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
+        ...     dist_autograd.backward(context_id, [loss])
+        ...     grads = dist_autograd.get_gradients(context_id)
+        >>> grads[t1]
+        tensor([[1., 1., 1.], [1., 1., 1.], [1., 1., 1.]])
+        >>> rpc.shutdown()
+    """
+
+    def __enter__(self) -> int:
+        self.autograd_context = _new_context()
+        return self.autograd_context._context_id()
+
+    def __exit__(self, type: Any, value: Any, traceback: Any) -> None:
+        _release_context(self.autograd_context._context_id())
+
+
+def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False) -> None:
+    r"""Run the distributed backward pass from ``roots`` in context ``context_id``.
+
+    Gradients of leaves go into the context of the worker that owns them
+    (read them with :func:`get_gradients` there), summed over repeated passes;
+    ``.grad`` is not touched. Returns when every worker the pass reached is done.
+
+    Args:
+        context_id (int): the id yielded by :class:`context`.
+        roots (list[Tensor]): scalar tensors to differentiate.
+        retain_graph (bool): keep the graph (on every worker) for another pass.
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> with dist_autograd.context() as context_id:
+        ...     pred = rpc.rpc_sync("worker1", torch.mul, args=(w, x))
+        ...     loss = ((pred - y) ** 2).sum()
+        ...     dist_autograd.backward(context_id, [loss])
+    """
+    _engine.backward(context_id, roots, retain_graph)
+
+
+def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    r"""The gradients accumulated on this worker in ``context_id``, keyed by leaf tensor.
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> with dist_autograd.context() as context_id:
+        ...     loss = rpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
+        ...     dist_autograd.backward(context_id, [loss])
+        ...     dist_autograd.get_gradients(context_id)[t1]
+    """
+    ctx = container().retrieve(context_id)
+    with ctx.lock:
+        return dict(ctx.grads)
+
+
+def _new_context() -> DistAutogradContext:
+    return container().new_context()
+
+
+def _release_context(context_id: int) -> None:
+    ctx = container().release(context_id)
+    _release_on_known_workers(ctx)
+
+
+def _release_on_known_workers(ctx: DistAutogradContext | None, done: int | None = None) -> None:
+    """Tell the workers ``ctx`` reached (but ``done``, which released it) to release it."""
+    agent = _core.current_agent()
+    if ctx is None or agent is None:
+        return
+    for worker in ctx._known_worker_ids() - {container().worker_id, done}:
+        # Fire and forget (torch does not await it either): a CONTROL frame, applied
+        # on arrival in order, so no later message can find the context again.
+        # Counted by graceful shutdown.
+        agent.send_control(worker, (_hooks.AUTOGRAD_CONTROL, ctx._context_id()))
+
+
+def _retrieve_context(context_id: int) -> DistAutogradContext:
+    return container().retrieve(context_id)
+
+
+def _current_context() -> DistAutogradContext:
+    cont = container()
+    context_id = cont.current_id()
+    if context_id is None:
+        raise RuntimeError(
+            "Current thread doesn't have a valid autograd context. Please wrap your code "
+            "using: `with lightning_distgrad.autograd.context() as context_id` to generate "
+            "a valid context")
+    return cont.retrieve(context_id)
+
+
+def _is_valid_context(context_id: int) -> None:
+    container().retrieve(context_id)
+
+
+def _get_max_id() -> int:
+    return container().max_id
+
+
+def _get_debug_info() -> dict[str, int]:
+    return {"num_current_backward_passes": _engine.num_backward_passes(),
+            "num_autograd_contexts": len(container())}
+
+
+# ---------------------------------------------------------------------------
+# Recording, called by the RPC layer for every message
+
+
+class _AutogradHooks(_hooks.AutogradHooks):
+    def on_init(self, worker_id: int) -> None:
+        _engine.init_container(worker_id)
+
+    def outgoing(self, dst_id: int, tensors: list[torch.Tensor], force: bool,
+                 ctx_id: int | None = None) -> Any:
+        cont = _engine._container
+        if cont is None:
+            return None
+        responding = ctx_id is not None
+        if ctx_id is None:
+            ctx_id = cont.current_id()
+            if ctx_id is None:
+                return None
+        grad_idx = [i for i, t in enumerate(tensors) if t.requires_grad]
+        if not grad_idx and not force:
+            return None
+        ctx = cont.find(ctx_id)
+        if ctx is None:
+            return None
+        msg_id = None
+        # A request made under torch.no_grad() records nothing. A response
+        # (``ctx_id`` given) is recorded whenever its tensors require grad: the
+        # callee's grad mode already decided that, and its reply may be sent
+        # from any thread.
+        if grad_idx and (responding or torch.is_grad_enabled()):
+            msg_id = cont.new_message_id()
+            sent = [tensors[i] for i in grad_idx]
+            node = record_send(sent)
+            with ctx.lock:
+                ctx.sends[msg_id] = node
+                ctx.send_peers[msg_id] = dst_id
+                ctx.send_devices[msg_id] = [t.device for t in sent]
+        else:
+            grad_idx = []
+        with ctx.lock:
+            ctx.known_workers.add(dst_id)
+        return (ctx_id, msg_id, tuple(grad_idx))
+
+    def incoming(self, meta: Any, src_id: int, tensors: list[torch.Tensor]) -> list:
+        if meta is None:
+            return tensors
+        ctx_id, msg_id, grad_idx = meta
+        ctx = container().get_or_create(ctx_id)
+        if ctx is None or msg_id is None:
+            return tensors
+        received = [tensors[i] for i in grad_idx]
+        outs, node = record_recv(received)
+        tensors = list(tensors)
+        for i, out in zip(grad_idx, outs, strict=False):
+            tensors[i] = out
+        with ctx.lock:
+            ctx.recvs[msg_id] = node
+            ctx.recv_peers[msg_id] = src_id
+            ctx.recv_meta[msg_id] = [(t.shape, t.dtype) for t in received]
+        return tensors
+
+    def on_control(self, src_id: int, body: Any) -> None:
+        """Release a context here and on the workers it reached from here (transitively)."""
+        (context_id,) = body
+        _release_on_known_workers(container().release(context_id, must_exist=False),
+                                  done=src_id)
+
+    def context_of(self, meta: Any) -> int | None:
+        if meta is None:
+            return None
+        cont = _engine._container
+        if cont is None or cont.get_or_create(meta[0]) is None:
+            return None  # released already: run without recording
+        return meta[0]
+
+    @contextlib.contextmanager
+    def running_in(self, ctx_id: int | None) -> Iterator[None]:
+        cont = _engine._container
+        if cont is None:
+            yield
+            return
+        previous = cont.current_id()
+        cont.set_current_id(ctx_id)
+        try:
+            yield
+        finally:
+            cont.set_current_id(previous)
+
+    def backward(self, ctx_id: int, roots: list[torch.Tensor], retain_graph: bool) -> None:
+        _engine.backward(ctx_id, roots, retain_graph)
+
+
+_hooks.install(_AutogradHooks())

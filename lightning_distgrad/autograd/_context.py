@@ -1,0 +1,160 @@
+"""Distributed autograd contexts and their globally unique ids.
+
+Ids carry the worker id in their top 16 bits (torch's container layout), so
+contexts and autograd messages created on different workers never collide.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from typing import Any
+
+import torch
+
+AUTO_INCREMENT_BITS = 48
+AUTO_INCREMENT_MASK = (1 << AUTO_INCREMENT_BITS) - 1
+MAX_WORKER_ID = 65535
+# Remember this many released ids, so late messages do not resurrect them.
+_RELEASED_MEMORY = 65536
+
+
+def sum_grads(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """``old + new`` with AccumulateGrad's rule: a dense term goes first (sparse + dense fails)."""
+    if old is None:
+        return new
+    return new + old if old.is_sparse and not new.is_sparse else old + new
+
+
+def check_context_id(context_id: Any) -> None:
+    """Context ids are ints (torch's bindings reject anything else with a TypeError)."""
+    if not isinstance(context_id, int) or isinstance(context_id, bool):
+        raise TypeError(f"incompatible function arguments: context_id must be an int, got "
+                        f"{type(context_id).__name__}")
+
+
+class DistAutogradContext:
+    """The send/recv functions and gradients of one forward/backward pass on one worker."""
+
+    def __init__(self, context_id: int):
+        self._id = context_id
+        self.lock = threading.Lock()
+        self.sends: dict[int, Any] = {}  # message id -> send node
+        self.send_peers: dict[int, int] = {}  # message id -> worker the message went to
+        self.send_devices: dict[int, list] = {}  # message id -> device of each sent tensor
+        self.consumed_sends: set[int] = set()  # sends run by a pass without retain_graph
+        self.recvs: dict[int, Any] = {}  # message id -> recv node
+        self.recv_peers: dict[int, int] = {}  # message id -> worker the message came from
+        self.recv_meta: dict[int, list[tuple]] = {}  # message id -> (shape, dtype) per output
+        self.known_workers: set[int] = set()
+        self.grads: dict[torch.Tensor, torch.Tensor] = {}  # leaf -> gradient (identity keys)
+        self.backward_pass: Any = None  # the engine's state for the current pass
+
+    def _context_id(self) -> int:
+        return self._id
+
+    def _send_functions(self) -> dict[int, Any]:
+        with self.lock:
+            return dict(self.sends)
+
+    def _recv_functions(self) -> dict[int, Any]:
+        with self.lock:
+            return dict(self.recvs)
+
+    def _known_worker_ids(self) -> set[int]:
+        with self.lock:
+            return set(self.known_workers)
+
+    def accumulate(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Add each ``(leaf, gradient)`` to the leaf's gradient in this context."""
+        with self.lock, torch.no_grad():
+            grads = self.grads
+            for leaf, grad in pairs:
+                old = grads.get(leaf)
+                grads[leaf] = grad if old is None else sum_grads(old, grad)
+
+    def __repr__(self) -> str:
+        return f"DistAutogradContext(id={self._id})"
+
+
+class ContextContainer:
+    """All contexts of this worker, plus the thread-local current context."""
+
+    def __init__(self, worker_id: int):
+        if not 0 <= worker_id <= MAX_WORKER_ID:
+            raise ValueError(f"worker id must be in [0, {MAX_WORKER_ID}], got {worker_id}")
+        self.worker_id = worker_id
+        base = worker_id << AUTO_INCREMENT_BITS
+        self.max_id = AUTO_INCREMENT_MASK | base
+        self._context_ids = itertools.count(base)
+        self._message_ids = itertools.count(base)
+        self._lock = threading.Lock()
+        self._contexts: dict[int, DistAutogradContext] = {}
+        self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._local = threading.local()
+
+    # -- thread-local current context ---------------------------------------------
+
+    def current_id(self) -> int | None:
+        return getattr(self._local, "id", None)
+
+    def set_current_id(self, context_id: int | None) -> None:
+        self._local.id = context_id
+
+    # -- lifetime -----------------------------------------------------------------
+
+    def new_context(self) -> DistAutogradContext:
+        if self.current_id() is not None:
+            raise RuntimeError("Already have an autograd context id for this thread.")
+        context_id = next(self._context_ids)
+        if context_id > self.max_id:
+            raise RuntimeError(f"distributed autograd context ids exhausted on worker "
+                               f"{self.worker_id}")
+        ctx = DistAutogradContext(context_id)
+        with self._lock:
+            self._contexts[context_id] = ctx
+        self.set_current_id(context_id)
+        return ctx
+
+    def new_message_id(self) -> int:
+        return next(self._message_ids)
+
+    def find(self, context_id: int) -> DistAutogradContext | None:
+        return self._contexts.get(context_id)
+
+    def retrieve(self, context_id: int) -> DistAutogradContext:
+        check_context_id(context_id)
+        ctx = self._contexts.get(context_id)
+        if ctx is None:
+            raise RuntimeError(f"Could not find autograd context with id: {context_id}")
+        return ctx
+
+    def get_or_create(self, context_id: int) -> DistAutogradContext | None:
+        """The context for an incoming message; None if it was already released here."""
+        with self._lock:
+            ctx = self._contexts.get(context_id)
+            if ctx is None and context_id not in self._released:
+                ctx = self._contexts[context_id] = DistAutogradContext(context_id)
+            return ctx
+
+    def release(self, context_id: int, must_exist: bool = True) -> DistAutogradContext | None:
+        """Drop a context; returns it (for cleanup of the workers it knows)."""
+        check_context_id(context_id)
+        with self._lock:
+            ctx = self._contexts.pop(context_id, None)
+            if ctx is None and must_exist:
+                raise RuntimeError(f"Could not find autograd context with id: {context_id}")
+            self._released[context_id] = None
+            if len(self._released) > _RELEASED_MEMORY:
+                self._released.popitem(last=False)
+        if self.current_id() == context_id:
+            self.set_current_id(None)
+        return ctx
+
+    def __len__(self) -> int:
+        return len(self._contexts)
+
+    def all_contexts(self) -> list[DistAutogradContext]:
+        with self._lock:
+            return list(self._contexts.values())

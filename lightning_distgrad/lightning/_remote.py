@@ -1,0 +1,176 @@
+"""What the strategy asks parameter owners (serving ranks) to do, over RPC.
+
+Each handler is a small module-level function run on the owner: the gradient norms and the
+gradient scaling of gradient clipping (on the gradients that distributed autograd accumulated in
+a context there), hyper-parameter updates of the owner's local optimizers (LR schedulers), the
+end-of-stage reports that release a serving rank's serve loop, and the hand-over of a
+``RemoteModule`` shared by all trainers. Callers fan out with ``rpc_async`` and wait for all.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import autograd as dist_autograd
+from .. import rpc
+
+__all__ = ["call_all", "StageReport", "stage_board"]
+
+
+def call_all(calls: Iterable[tuple[Any, Any, tuple]]) -> list[Any]:
+    """Run ``(worker, func, args)`` calls concurrently; wait for all, then raise the first error."""
+    futures = [rpc.rpc_async(worker, func, args) for worker, func, args in calls]
+    results, errors = [], []
+    for future in futures:
+        try:
+            results.append(future.wait())
+        except Exception as e:  # noqa: PERF203 - every future must be waited for
+            errors.append(e)
+    if errors:
+        raise errors[0]
+    return results
+
+
+# --- Gradients in a context, on the owner --------------------------------------------------------
+
+
+def _context_grads(context_id: int):
+    """The context's gradient dict and lock on this worker, or ``(None, None)`` if none arrived."""
+    try:
+        ctx = dist_autograd._retrieve_context(context_id)
+    except RuntimeError:
+        return None, None
+    return ctx.grads, ctx.lock
+
+
+def grad_sq_norm(context_ids: Sequence[int]) -> float:
+    """``sum ||g||^2`` over this worker's leaves, where ``g`` sums each leaf's gradients over the
+    contexts: the squared norm of the update that the trainers' steps apply here together."""
+    totals: dict[torch.Tensor, torch.Tensor] = {}  # tensors hash by identity
+    for context_id in context_ids:
+        grads, lock = _context_grads(context_id)
+        if grads is None:
+            continue
+        with lock:
+            items = list(grads.items())
+        for leaf, grad in items:
+            totals[leaf] = grad if leaf not in totals else totals[leaf] + grad
+    return math.fsum(sq_norm(g) for g in totals.values())
+
+
+def sq_norm(grad: torch.Tensor) -> float:
+    """``||grad||^2`` in float64; sparse gradients count each index once (coalesced)."""
+    values = grad.detach().coalesce().values() if grad.is_sparse else grad.detach()
+    return float(torch.linalg.vector_norm(values, 2.0, dtype=torch.float64)) ** 2
+
+
+def scale_grads(context_id: int, coef: float) -> None:
+    """Multiply every gradient of ``context_id`` on this worker by ``coef``."""
+    grads, lock = _context_grads(context_id)
+    if grads is None:
+        return
+    with lock, torch.no_grad():
+        for leaf, grad in list(grads.items()):
+            grads[leaf] = grad * coef
+
+
+def clamp_grads(context_id: int, clip_value: float) -> None:
+    """Clamp every gradient of ``context_id`` on this worker to ``[-clip_value, clip_value]``."""
+    grads, lock = _context_grads(context_id)
+    if grads is None:
+        return
+    with lock, torch.no_grad():
+        for leaf, grad in list(grads.items()):
+            grads[leaf] = _clamp(grad, clip_value)
+
+
+def _clamp(grad: torch.Tensor, clip_value: float) -> torch.Tensor:
+    if not grad.is_sparse:
+        return grad.clamp(-clip_value, clip_value)
+    grad = grad.coalesce()
+    return torch.sparse_coo_tensor(grad.indices(), grad.values().clamp(-clip_value, clip_value),
+                                   grad.shape)
+
+
+# --- RemoteModules under mixed precision, on the owner --------------------------------------------
+
+
+def autocast_forward(module_rref: rpc.RRef, device: str, is_device_map_set: bool,
+                     dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
+    """A RemoteModule's forward under ``torch.autocast(dtype)`` (autocast is per thread, so the
+    trainer's autocast does not reach the owner by itself)."""
+    from ..nn.remote_module import _remote_forward
+
+    with torch.autocast(torch.device(device).type, dtype=dtype):
+        return _remote_forward(module_rref, device, is_device_map_set, *args, **kwargs)
+
+
+# --- Local optimizers of a DistributedOptimizer, on the owner ------------------------------------
+
+
+def set_hyperparameters(local_optim_rref: rpc.RRef, hyperparameters: dict[str, Any]) -> None:
+    """Update every param group of an owner's local optimizer (e.g. the lr a scheduler set)."""
+    from ..optim.optimizer import _LocalOptimizer
+
+    local = local_optim_rref.local_value()
+    with _LocalOptimizer.global_lock:
+        for group in local.optim.param_groups:
+            group.update(hyperparameters)
+
+
+# --- Serving ranks: end-of-stage reports ---------------------------------------------------------
+
+
+class StageReport(NamedTuple):
+    """A trainer's report that it finished stage ``stage`` (one ``Trainer.fit/validate/...``)."""
+
+    stage: int
+    trainer_rank: int
+    error: tuple[type, str] | None
+
+
+class _StageBoard:
+    """Where a serving rank collects the trainers' end-of-stage reports."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._reports: dict[int, list[StageReport]] = {}
+
+    def post(self, report: StageReport) -> None:
+        with self._cond:
+            self._reports.setdefault(report.stage, []).append(report)
+            self._cond.notify_all()
+
+    def wait(self, stage: int, num_trainers: int) -> list[StageReport]:
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._reports.get(stage, ())) >= num_trainers)
+            return self._reports.pop(stage)
+
+
+stage_board = _StageBoard()
+
+
+def report_stage(report: StageReport) -> None:
+    stage_board.post(report)
+
+
+# --- RemoteModules shared by all trainers --------------------------------------------------------
+
+_shared_lock = threading.Lock()
+_shared: dict[tuple[int, int], Any] = {}
+
+
+def stash_shared(key: tuple[int, int], module: Any) -> None:
+    """Keep ``module`` (a RemoteModule sent by the creating trainer) until :func:`take_shared`."""
+    with _shared_lock:
+        _shared[key] = module
+
+
+def take_shared(key: tuple[int, int]) -> Any:
+    with _shared_lock:
+        return _shared.pop(key)

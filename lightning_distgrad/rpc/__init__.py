@@ -1,0 +1,38 @@
+"""RPC over MPI with the API of ``torch.distributed.rpc``.
+
+Port a program by replacing ``import torch.distributed.rpc as rpc`` with
+``import lightning_distgrad.rpc as rpc`` and launching it with
+``mpiexec -n N python -m mpi4py program.py``.
+"""
+
+from . import functions
+from ._agent import WorkerInfo
+from ._core import UNSET_RPC_TIMEOUT
+from .api import (
+    _get_current_rpc_agent,
+    _get_debug_info,
+    _rref_context_get_debug_info,
+    _set_rpc_timeout,
+    get_rpc_timeout,
+    get_worker_info,
+    init_rpc,
+    remote,
+    rpc_async,
+    rpc_sync,
+    shutdown,
+)
+from .options import (
+    BackendType,
+    MPIRpcBackendOptions,
+    RpcBackendOptions,
+    TensorPipeRpcBackendOptions,
+)
+from .rref import RRef
+
+__all__ = [
+    "init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info",
+    "get_rpc_timeout", "WorkerInfo", "RRef", "BackendType", "MPIRpcBackendOptions",
+    "TensorPipeRpcBackendOptions", "RpcBackendOptions", "functions", "UNSET_RPC_TIMEOUT",
+    "_set_rpc_timeout", "_get_current_rpc_agent", "_get_debug_info",
+    "_rref_context_get_debug_info",
+]

@@ -1,0 +1,408 @@
+"""The RPC agent: requests, responses, timeouts and graceful shutdown.
+
+Three frame kinds travel between agents:
+
+* REQUEST: ``(func, args, kwargs)``; the callee runs it on its worker pool and
+  always answers with one RESPONSE (a result or a remote error). A torch
+  operator on small tensors (QUICK_REQUEST) runs right where the frame is
+  handed over instead: it cannot issue RPCs or block, and a pool hand-off would
+  cost more than the operator;
+* RESPONSE: ``(ok, value)`` for one call id; decoded by the thread driving
+  progress (internal futures complete there, user-visible ones on a pool);
+* CONTROL: bookkeeping applied on arrival, in order, by the thread driving
+  progress (RRef fork deletes): never runs user code and never blocks.
+
+Every REQUEST and CONTROL frame is counted when sent and when processed; a
+graceful shutdown ends when the global counts match twice in a row with no
+call pending anywhere (a four-counter termination detection), so no request
+or response is lost.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import itertools
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from . import _devices, _hooks
+from ._transport import Transport
+from ._wire import Frame, decode_payload, encode_payload
+
+REQUEST, RESPONSE, CONTROL, QUICK_REQUEST = 0, 1, 2, 3
+#: Operators whose tensors are all at most this big run as QUICK_REQUESTs.
+QUICK_LIMIT_BYTES = 64 * 1024
+# How often the progress thread looks for expired calls.
+_TIMEOUT_CHECK_S = 0.01
+
+
+class WorkerInfo:
+    """The name and id (rank) of one worker, as in ``torch.distributed.rpc``."""
+
+    __slots__ = ("name", "id")
+
+    def __init__(self, name: str, id: int):  # noqa: A002 - torch's signature
+        self.name = name
+        self.id = id
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WorkerInfo) and (self.name, self.id) == (other.name, other.id)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.id))
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+    def __reduce__(self):
+        return (WorkerInfo, (self.name, self.id))
+
+
+def timeout_error(timeout: float) -> RuntimeError:
+    return RuntimeError(
+        f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be "
+        "marked with an error"
+    )
+
+
+def is_async_function(func: Any) -> bool:
+    return getattr(func, "_wrapped_async_rpc_function", None) is not None
+
+
+# ---------------------------------------------------------------------------
+# Remote errors keep their type and say where they happened.
+
+
+def _remote_error(exc: BaseException, where: WorkerInfo) -> tuple[type, str]:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return type(exc), f"On {where}:\n{exc!r}\n{text}"
+
+
+def _rebuild_error(exc_type: type, msg: str) -> BaseException:
+    try:
+        return exc_type(msg)
+    except Exception as e:  # types whose constructor does not take one string
+        return RuntimeError(
+            f"Failed to create original exception type. Error msg was {e!r}. "
+            f"Original exception on remote side was {msg}"
+        )
+
+
+def _raise_copy(exc: BaseException):
+    """Unwrap function of :func:`set_error` futures: raise a fresh copy of ``exc``."""
+    try:
+        fresh = copy.copy(exc)
+    except Exception:  # a type that cannot be rebuilt from its args
+        fresh = RuntimeError(f"{type(exc).__name__}: {exc}")
+    fresh.__cause__, fresh.__context__ = exc.__cause__, exc.__context__
+    raise fresh.with_traceback(exc.__traceback__)
+
+
+def set_error(future: torch.futures.Future, exc: BaseException) -> None:
+    """Complete ``future`` with ``exc``; every ``wait()`` raises a fresh copy of it.
+
+    Fix (leak): ``torch.futures.Future.set_exception`` raises the stored object
+    itself from ``wait()``, so its traceback comes to reference the waiting
+    frames, and they reference the future: a cycle through C++ that Python's
+    gc cannot see. Every failed RPC then leaked the caller's frames and their
+    locals for good: tensors, and RRefs, whose owners were never told, so the
+    owner never freed the value. torch's own RPC futures raise a new exception
+    per ``wait()``; so do these. ``exc``'s traceback must not reference ``future``.
+    """
+    future._set_unwrap_func(_raise_copy)
+    future.set_result(exc)
+
+
+class _Pending:
+    __slots__ = ("future", "dst", "user_visible", "deadline", "timeout")
+
+    def __init__(self, future, dst, user_visible, timeout):
+        self.future = future
+        self.dst = dst
+        self.user_visible = user_visible
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout if timeout > 0 else None
+
+
+class Agent:
+    """One per process while RPC is initialised; owns the transport and the pools."""
+
+    def __init__(self, comm, infos: list[WorkerInfo], rank: int, timeout: float,
+                 num_worker_threads: int, on_arrival: Callable[[int, Frame], None],
+                 on_control: Callable[[int, Any], None]):
+        self.infos = infos
+        self.info = infos[rank]
+        self.by_name = {w.name: w for w in infos}
+        self.timeout = timeout
+        # device_maps[src][dst]: src's map for tensors it sends to dst (set by init_rpc).
+        self.device_maps: list[list[dict]] = [[{} for _ in infos] for _ in infos]
+        self._on_arrival = on_arrival
+        self._on_control = on_control
+        self._ids = itertools.count()
+        self._pending: dict[int, _Pending] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._deadline_lock = threading.Lock()
+        self._timeout_check_armed = False
+        self._sent = 0  # REQUEST and CONTROL frames sent
+        self._processed = 0  # REQUEST frames answered and CONTROL frames applied
+        self._count_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(num_worker_threads, thread_name_prefix="distgrad-worker")
+        # User-visible futures complete here, so `then` callbacks never run on
+        # the progress thread and never wait behind busy request handlers.
+        self._callbacks = ThreadPoolExecutor(1, thread_name_prefix="distgrad-callbacks")
+        self.transport = Transport(comm, self._on_frame)
+        # Not started here: see :meth:`start`.
+
+    def start(self) -> None:
+        """Start receiving. Call once this agent is the current one.
+
+        Fix (race): the progress thread used to start in ``__init__``, before
+        ``init_rpc`` made the agent current; a request from a faster peer could
+        run in that window and fail with "RPC has not been initialized" (a
+        ``remote()`` then never created its value, and ``to_here()`` hung).
+        """
+        self.transport.start()
+
+    # -- sending ----------------------------------------------------------------
+
+    def call(self, dst: WorkerInfo, func: Callable, args: tuple, kwargs: dict,
+             timeout: float, *, user_visible: bool, force_autograd: bool,
+             arrival_forks: list | None = None, operator: bool = False) -> torch.futures.Future:
+        """Send a request; returns the future of its response.
+
+        ``operator``: ``func`` is a torch operator (no RPCs, no blocking).
+        """
+        payload, tensors, pctx = self._encode((func, args, kwargs), dst, func)
+        # Fix (hang): everything that may reject the call runs before the call
+        # is registered and counted. A tensor refused here (no device map) used
+        # to leave a pending call that was never sent: graceful shutdown then
+        # waited for it forever.
+        devices = self._devices(tensors, dst.id, self.device_maps[self.info.id][dst.id])
+        meta = _hooks.get().outgoing(dst.id, tensors, force_autograd)
+        pctx.commit()
+        future = torch.futures.Future()
+        call_id = next(self._ids)
+        pending = _Pending(future, dst, user_visible, timeout)
+        self._pending[call_id] = pending
+        if pending.deadline is not None:
+            self._watch_deadline(pending.deadline, call_id)
+        self._count_sent()
+        forks = tuple(pctx.arrival_forks) + tuple(arrival_forks or ())
+        quick = operator and all(t.numel() * t.element_size() <= QUICK_LIMIT_BYTES
+                                 for t in tensors)
+        self.transport.send(dst.id, Frame(QUICK_REQUEST if quick else REQUEST, call_id, payload,
+                                          (), meta, forks), tensors, devices)
+        return future
+
+    def send_control(self, dst_id: int, body: Any) -> None:
+        """Fire-and-forget bookkeeping applied in order on ``dst_id``'s progress thread."""
+        self._count_sent()
+        self.transport.send(dst_id, Frame(CONTROL, -1, b"", (), body), [])
+
+    def _encode(self, obj: Any, dst: WorkerInfo, func: Any):
+        try:
+            return encode_payload(obj, dst.id)
+        except Exception as e:
+            if isinstance(e, RuntimeError) and "rref" in str(e).lower():
+                raise
+            raise TypeError(
+                f"Could not pickle the RPC to {dst.name} ({getattr(func, '__qualname__', func)}): "
+                f"{e}. Arguments and results of RPCs must be picklable, and functions must be "
+                "defined at module level (lambdas and local functions cannot be sent)."
+            ) from e
+
+    def _devices(self, tensors: list, dst_id: int, device_map) -> list[str] | None:
+        return _devices.target_devices(tensors, device_map, self.info.name,
+                                       self.infos[dst_id].name)
+
+    def _count_sent(self) -> None:
+        with self._count_lock:
+            self._sent += 1
+
+    def _count_processed(self) -> None:
+        with self._count_lock:
+            self._processed += 1
+
+    # -- timeouts ---------------------------------------------------------------
+
+    def _watch_deadline(self, deadline: float, call_id: int) -> None:
+        with self._deadline_lock:
+            heapq.heappush(self._deadlines, (deadline, call_id))
+            if self._timeout_check_armed:
+                return
+            self._timeout_check_armed = True
+        self.transport.call_later(_TIMEOUT_CHECK_S, self._expire_calls)
+
+    def _expire_calls(self) -> None:
+        now = time.monotonic()
+        expired = []
+        with self._deadline_lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                expired.append(heapq.heappop(self._deadlines)[1])
+            if not self._pending:
+                self._deadlines.clear()  # answered calls need no watching
+            rearm = self._timeout_check_armed = bool(self._deadlines)
+        for call_id in expired:
+            pending = self._pending.pop(call_id, None)
+            if pending is not None:  # completed outside the MPI lock, like responses
+                self.transport.defer(
+                    lambda p=pending: self._complete(p, False, timeout_error(p.timeout)))
+        if rearm:
+            self.transport.call_later(_TIMEOUT_CHECK_S, self._expire_calls)
+
+    # -- receiving (progress thread) ------------------------------------------------
+
+    def _on_frame(self, source: int, frame: Frame, tensors: list) -> None:
+        if frame.forks:
+            self._on_arrival(source, frame)
+        if frame.kind == RESPONSE:
+            self._on_response(source, frame, tensors)
+        elif frame.kind == REQUEST:
+            self.transport.busy(+1)
+            self._pool.submit(self._serve, source, frame, tensors)
+        elif frame.kind == QUICK_REQUEST:
+            self._run_request(source, frame, tensors)
+        else:
+            try:
+                self._on_control(source, frame.autograd)
+            finally:
+                self._count_processed()
+
+    def _on_response(self, source: int, frame: Frame, tensors: list) -> None:
+        pending = self._pending.pop(frame.call_id, None)
+        if pending is None:
+            return  # the call timed out; its late answer is dropped
+        try:
+            tensors = _hooks.get().incoming(frame.autograd, source, tensors)
+            ok, value = decode_payload(frame.payload, tensors)
+            if not ok:
+                value = _rebuild_error(*value)
+        except Exception as e:
+            # No traceback: it references this frame, which holds the future.
+            ok, value = False, e.with_traceback(None)
+        self._complete(pending, ok, value)
+
+    def _complete(self, pending: _Pending, ok: bool, value: Any) -> None:
+        future = pending.future
+        setter = future.set_result if ok else lambda exc: set_error(future, exc)
+        if pending.user_visible:
+            self._callbacks.submit(setter, value)
+        else:
+            setter(value)
+
+    # -- serving (worker pool) ------------------------------------------------------
+
+    def _serve(self, source: int, frame: Frame, tensors: list) -> None:
+        try:
+            self._run_request(source, frame, tensors)
+        finally:
+            self.transport.busy(-1)
+
+    def _run_request(self, source: int, frame: Frame, tensors: list) -> None:
+        hooks = _hooks.get()
+        ctx_id = hooks.context_of(frame.autograd)
+        func = None
+        try:
+            tensors = hooks.incoming(frame.autograd, source, tensors)
+            # Grad mode is thread-local: a request runs with it on, as on a fresh
+            # server thread, whichever thread handed its frame over (a caller's
+            # thread inside torch.no_grad(), say) and whatever an earlier function
+            # on this pool thread left behind.
+            with hooks.running_in(ctx_id), torch.enable_grad():
+                func, args, kwargs = decode_payload(frame.payload, tensors)
+                result = func(*args, **kwargs)
+        except BaseException as e:
+            self._reply_error(source, frame.call_id, e)
+            return
+        if not is_async_function(func):
+            self._reply(source, frame.call_id, True, result, ctx_id)
+        # torch._C.Future, not torch.futures.Future: ``then()`` and ``collect_all()``
+        # return the C base class, which async functions commonly return.
+        elif isinstance(result, torch._C.Future):
+            result.add_done_callback(lambda f: self._reply_future(source, frame.call_id, f, ctx_id))
+        else:
+            self._reply_error(source, frame.call_id, TypeError(
+                "Functions decorated with @rpc.async_function must return a "
+                f"torch.futures.Future object, but got {type(result)}"))
+
+    def _reply_future(self, dst: int, call_id: int, future: torch.futures.Future, ctx_id) -> None:
+        try:
+            value = future.wait()
+        except BaseException as e:
+            self._reply_error(dst, call_id, e)
+        else:
+            self._reply(dst, call_id, True, value, ctx_id)
+
+    def _reply(self, dst: int, call_id: int, ok: bool, value: Any, ctx_id=None) -> None:
+        try:
+            payload, tensors, pctx = encode_payload((ok, value), dst)
+            # Fix (hang): inside the try, so a refused result tensor becomes an
+            # error response instead of no response at all.
+            devices = self._devices(tensors, dst,
+                                    _devices.invert(self.device_maps[dst][self.info.id]))
+            # A response is recorded in its request's context only, never in
+            # whatever context the replying thread happens to be in.
+            recorded = ok and ctx_id is not None
+            meta = _hooks.get().outgoing(dst, tensors, False, ctx_id) if recorded else None
+        except BaseException as e:
+            if not ok:
+                raise
+            self._reply_error(dst, call_id, e)
+            return
+        pctx.commit()
+        self.transport.send(dst, Frame(RESPONSE, call_id, payload, (), meta,
+                                       tuple(pctx.arrival_forks)), tensors, devices)
+        self._count_processed()
+
+    def _reply_error(self, dst: int, call_id: int, exc: BaseException) -> None:
+        exc_type, msg = _remote_error(exc, self.info)
+        try:
+            self._reply(dst, call_id, False, (exc_type, msg))
+        except Exception:  # an unpicklable exception type: keep the text
+            self._reply(dst, call_id, False, (RuntimeError, msg))
+
+    # -- shutdown -------------------------------------------------------------------
+
+    def wait(self, future: torch.futures.Future) -> Any:
+        """Wait for ``future``, driving MPI progress on this thread meanwhile."""
+        if not future.done():
+            self.transport.drive_until(future.done)
+        return future.wait()
+
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def wait_quiescent(self, timeout: float = 0) -> None:
+        """Return once no rank has work left: every request answered everywhere."""
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        previous = None
+        while True:
+            while self._pending:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"shutdown timed out after {timeout} s on {self.info} with "
+                        f"{len(self._pending)} RPCs still pending")
+                time.sleep(0.0005)
+            with self._count_lock:
+                counts = [self._sent, self._processed]
+            totals = self.transport.allreduce_sum(counts)
+            if totals[0] == totals[1] and totals == previous:
+                return
+            previous = totals
+
+    def stop(self) -> None:
+        """Stop threads and free communicators (after :meth:`wait_quiescent`)."""
+        self._pool.shutdown(wait=True)
+        self._callbacks.shutdown(wait=True)
+        self.transport.stop()
+        self.transport.free()
+        for pending in list(self._pending.values()):
+            set_error(pending.future, RuntimeError("RPC agent shut down before a response"))
+        self._pending.clear()

@@ -1,0 +1,98 @@
+"""The current agent and the one private dispatcher behind every public call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._agent import Agent, WorkerInfo
+
+#: Sentinel meaning "use the agent's default timeout" (torch uses -1.0 too).
+UNSET_RPC_TIMEOUT = -1.0
+
+_agent: Agent | None = None
+
+
+def set_agent(agent: Agent | None) -> None:
+    global _agent
+    _agent = agent
+
+
+def current_agent() -> Agent | None:
+    return _agent
+
+
+def require_agent() -> Agent:
+    """The running agent, or the error torch gives before ``init_rpc``/after ``shutdown``."""
+    if _agent is None:
+        raise RuntimeError(
+            "RPC has not been initialized. Call lightning_distgrad.rpc.init_rpc first."
+        )
+    return _agent
+
+
+def resolve(agent: Agent, to: Any) -> WorkerInfo:
+    """Turn a name, a rank or a ``WorkerInfo`` into a known ``WorkerInfo``."""
+    if isinstance(to, WorkerInfo):
+        known = agent.by_name.get(to.name)
+        if known is None or known.id != to.id:
+            raise RuntimeError(
+                f"name:{agent.info.name},rank:{agent.info.id} could not find destination "
+                f"{to}. Known workers: {sorted(agent.by_name)}"
+            )
+        return known
+    if isinstance(to, str):
+        known = agent.by_name.get(to)
+        if known is None:
+            raise RuntimeError(
+                f"name:{agent.info.name},rank:{agent.info.id} could not find destination name "
+                f"{to}. Known workers: {sorted(agent.by_name)}"
+            )
+        return known
+    if isinstance(to, int) and not isinstance(to, bool):
+        if not 0 <= to < len(agent.infos):
+            raise RuntimeError(
+                f"name:{agent.info.name},rank:{agent.info.id} could not find destination id "
+                f"{to}. Valid ranks are 0..{len(agent.infos) - 1}"
+            )
+        return agent.infos[to]
+    raise ValueError(f"Cannot get WorkerInfo from name {to}")
+
+
+def is_builtin(func: Any) -> bool:
+    """True for torch operators (``torch.add``), which torch RPC treats as builtins."""
+    try:
+        return torch.jit._builtins._find_builtin(func) is not None
+    except Exception:
+        return False
+
+
+def invoke(to: Any, func: Callable, args: tuple | list | None, kwargs: dict | None,
+           timeout: float, *, user_visible: bool = True,
+           force_autograd: bool | None = None, arrival_forks: list | None = None,
+           ) -> torch.futures.Future:
+    """Validate, then send one request; everything is checked before anything is sent."""
+    agent = require_agent()
+    dst = resolve(agent, to)
+    if not callable(func):
+        raise TypeError("function should be callable.")
+    if timeout is None or timeout == UNSET_RPC_TIMEOUT:
+        timeout = agent.timeout
+    operator = is_builtin(func)
+    if force_autograd is None:
+        # Python functions always carry the context: their result may need
+        # grad even when no argument does (torch's forceGradRecording).
+        force_autograd = not operator
+    return agent.call(dst, func, tuple(args or ()), dict(kwargs or {}), float(timeout),
+                      user_visible=user_visible, force_autograd=force_autograd,
+                      arrival_forks=arrival_forks, operator=operator)
+
+
+def wait(future: torch.futures.Future) -> Any:
+    """Wait for an internal RPC future; the waiting thread drives MPI progress."""
+    agent = _agent
+    if agent is None:
+        return future.wait()
+    return agent.wait(future)

@@ -1,0 +1,68 @@
+"""The seam between RPC and distributed autograd.
+
+RPC must not import autograd (imports flow autograd -> rpc), yet every message
+may carry an autograd context. ``lightning_distgrad.autograd`` installs its
+implementation of :class:`AutogradHooks` at import; until then RPC carries no
+contexts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+#: First element of a CONTROL frame body meant for distributed autograd.
+AUTOGRAD_CONTROL = "autograd"
+
+
+class AutogradHooks:
+    """No-op hooks: what RPC does when distributed autograd is not loaded."""
+
+    def on_init(self, worker_id: int) -> None:
+        """Called by ``init_rpc`` before the agent accepts messages."""
+
+    def on_shutdown(self) -> None:
+        """Called by ``shutdown`` after the agent stopped."""
+
+    def outgoing(self, dst_id: int, tensors: list[torch.Tensor], force: bool,
+                 ctx_id: int | None = None) -> Any:
+        """Record a send function for a message to ``dst_id``; returns its metadata or None.
+
+        ``ctx_id`` is given for responses (the request's context) and None for
+        requests (the calling thread's current context).
+        """
+        return None
+
+    def incoming(self, meta: Any, src_id: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Attach a recv function to received ``tensors``; returns the tensors to use."""
+        return tensors
+
+    def context_of(self, meta: Any) -> int | None:
+        """The autograd context id carried by ``meta`` (None if none)."""
+        return None
+
+    @contextlib.contextmanager
+    def running_in(self, ctx_id: int | None) -> Iterator[None]:
+        """Make ``ctx_id`` the current context of this thread while a request runs."""
+        yield
+
+    def on_control(self, src_id: int, body: Any) -> None:
+        """Apply a CONTROL frame ``(AUTOGRAD_CONTROL, *body)`` from ``src_id`` (in order)."""
+
+    def backward(self, ctx_id: int, roots: list[torch.Tensor], retain_graph: bool) -> None:
+        raise RuntimeError("lightning_distgrad.autograd is not loaded")
+
+
+_hooks: AutogradHooks = AutogradHooks()
+
+
+def get() -> AutogradHooks:
+    return _hooks
+
+
+def install(hooks: AutogradHooks) -> None:
+    global _hooks
+    _hooks = hooks

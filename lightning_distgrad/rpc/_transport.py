@@ -1,0 +1,462 @@
+"""MPI transport: private communicators and the one progress thread.
+
+MPI calls are serialised by one lock. Senders post their frames themselves
+when the lock is free (else they leave them on an outbox); the progress thread
+polls for incoming frames, and a thread waiting for an RPC result polls in its
+place. Nobody parks inside a blocking MPI call (MPICH spins there, costing a
+whole core): the poller uses ``Improbe``/``Testall`` and, when idle, first
+yields for a short hot window, then sleeps with an exponential backoff capped
+at 1-2 ms (mpi4py.futures style).
+
+Communicators (all duplicates of the user's, so no one else's traffic can
+match ours): ``ctrl`` carries frames (probed with ANY_SOURCE), ``data`` carries
+tensor bytes matched by exact (source, tag), ``coll`` carries the shutdown
+collectives.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import heapq
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ._wire import (
+    Frame,
+    ReceiveBufferPool,
+    allocate_tensor,
+    prepare_tensor,
+    tensor_bytes_view,
+    to_target_device,
+)
+
+# Tensor bytes go in chunks of at most 1 GiB: portable beyond MPI-4 large counts.
+CHUNK_BYTES = 1 << 30
+# Stay hot (sched_yield polling) this long after the last activity.
+HOT_WINDOW_S = 0.002
+BACKOFF_MAX_S = 0.001
+BACKOFF_MIN_S = BACKOFF_MAX_S / 64
+# After this long without traffic the cap doubles: each wake-up costs ~50 us of
+# CPU on a small VM, and an idle agent must stay near zero CPU.
+DEEP_IDLE_AFTER_S = 0.05
+DEEP_IDLE_MAX_S = 0.002
+# A sender waits at most this long for the MPI lock, then hands off (see send).
+SEND_LOCK_WAIT_S = 0.001
+
+
+class _Wakeup:
+    """A sleep that another thread can cut short; cheaper than ``threading.Event``.
+
+    A held lock: ``sleep`` waits to acquire it (C-level, GIL released),
+    ``wake`` releases it. Idle wake-ups dominate the idle agent's CPU use.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def sleep(self, seconds: float) -> None:
+        self._lock.acquire(timeout=seconds)  # True: woken; then held again
+
+    def wake(self) -> None:
+        try:
+            self._lock.release()
+        except RuntimeError:  # already woken
+            pass
+
+
+def _in_default_modes() -> bool:
+    """Whether this thread's torch modes are those of a fresh thread."""
+    return (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+            and not torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda"))
+
+
+@contextlib.contextmanager
+def _default_modes() -> Iterator[None]:
+    """Grad mode on, inference mode and autocast off, as on a fresh thread."""
+    with contextlib.ExitStack() as modes:
+        modes.enter_context(torch.inference_mode(False))
+        modes.enter_context(torch.enable_grad())
+        modes.enter_context(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available():
+            modes.enter_context(torch.autocast("cuda", enabled=False))
+        yield
+
+
+class _Backoff:
+    """Doubling sleep, reset by activity (mpi4py.futures' Backoff)."""
+
+    def __init__(self, wakeup: _Wakeup):
+        self._wakeup = wakeup
+        self._delay = BACKOFF_MIN_S
+
+    def reset(self) -> None:
+        self._delay = BACKOFF_MIN_S
+
+    def sleep(self, idle_for: float) -> None:
+        self._wakeup.sleep(self._delay)
+        cap = DEEP_IDLE_MAX_S if idle_for > DEEP_IDLE_AFTER_S else BACKOFF_MAX_S
+        self._delay = min(cap, self._delay * 2)
+
+
+class _Incoming:
+    """A frame whose tensor bytes are still arriving."""
+
+    __slots__ = ("source", "frame", "tensors", "requests")
+
+    def __init__(self, source: int, frame: Frame, tensors: list, requests: list):
+        self.source = source
+        self.frame = frame
+        self.tensors = tensors
+        self.requests = requests
+
+
+class Transport:
+    """Moves frames and tensors between ranks of ``comm``.
+
+    ``on_frame(source, frame, tensors)`` runs for every complete incoming
+    message, in arrival order, on whichever thread is driving progress, after
+    that thread has released the MPI lock: a slow callback delays the frames
+    behind it, never other threads' sends. It must not wait for other frames.
+
+    MPI calls are serialised by one lock. The progress thread drives by
+    default; a thread waiting for an RPC result may drive instead
+    (:meth:`drive_until`), and then the progress thread steps aside, because
+    two threads polling in one process only fight over the GIL.
+    """
+
+    def __init__(self, comm: MPI.Comm, on_frame: Callable[[int, Frame, list], None]):
+        self.ctrl = comm.Dup()
+        self.data = comm.Dup()
+        self.coll = comm.Dup()
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        tag_ub = self.ctrl.Get_attr(MPI.TAG_UB) or 32767
+        self._tag_mod = min(tag_ub + 1, 1 << 20)
+        # Spinning (sched_yield polling) only pays when every rank of this node
+        # has a core of its own; on an oversubscribed node it steals the CPU the
+        # peers need, so there we only ever sleep between polls.
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.spin = node.Get_size() <= len(os.sched_getaffinity(0))
+        node.Free()
+        # Below SERIALIZED only the progress thread may call MPI.
+        self._any_thread_may_send = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
+        self._on_frame = on_frame
+        self._mpi_lock = threading.Lock()
+        self._lock_owner: int | None = None  # ident of the thread inside _progress_once
+        self._outbox: collections.deque = collections.deque()
+        self._wake = _Wakeup()
+        self._sleeping = False
+        self._driver: int | None = None  # ident of a thread driving progress
+        self._busy = 0  # request handlers running: the progress thread must not spin
+        self._busy_lock = threading.Lock()
+        self._send_seq = [0] * self.size
+        # (request list, objects kept alive until the sends complete)
+        self._sends: list[tuple[list[MPI.Request], Any]] = []
+        self._incoming: list[_Incoming] = []
+        self._buffers = ReceiveBufferPool()
+        # Complete frames (and deferred calls) waiting to be handed over, in order.
+        self._ready: collections.deque = collections.deque()
+        self._deliver_lock = threading.Lock()
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._timer_seq = 0
+        self._running = True
+        self._last_activity = time.monotonic()
+        self._thread = threading.Thread(target=self._progress_loop, name="distgrad-progress",
+                                        daemon=True)
+
+    def start(self) -> None:
+        """Start the progress thread (once the owner is ready for ``on_frame``)."""
+        self._thread.start()
+
+    # -- called from any thread -------------------------------------------------
+
+    def send(self, dst: int, frame: Frame, tensors: list[torch.Tensor],
+             devices: list[str] | None = None) -> None:
+        """Send ``frame`` (whose ``metas`` get filled here) and its tensors to ``dst``.
+
+        ``devices`` gives each tensor's device on the receiver (default: CPU).
+        """
+        buffers = []
+        metas = []
+        for i, t in enumerate(tensors):
+            meta, data = prepare_tensor(t, devices[i] if devices else "cpu")
+            metas.append(meta)
+            if data is not None:
+                buffers.append(data)
+        item = (dst, frame._replace(metas=tuple(metas)).dumps(), buffers)
+        # The wait for the lock is bounded: the holder may be running queued
+        # callables (collectives, timers), and a hand-off is cheaper than a
+        # stall behind them.
+        if (self._any_thread_may_send and self._lock_owner != threading.get_ident()
+                and self._mpi_lock.acquire(timeout=SEND_LOCK_WAIT_S)):
+            # Post from this thread: waiting for the lock (held for one poll at
+            # most) beats a hand-off to the progress thread. Queued frames go
+            # first, to keep per-destination order.
+            try:
+                self._lock_owner = threading.get_ident()
+                try:
+                    self._post_sends()
+                    self._post(item)
+                finally:
+                    self._lock_owner = None
+            finally:
+                self._mpi_lock.release()
+            return
+        # MPI below SERIALIZED, a re-entrant send from a completion callback
+        # that runs under the lock, or the lock is busy: the progress loop (or
+        # the next sender that gets the lock) posts it, in order.
+        self._outbox.append(item)
+        self._kick()
+
+    def drive_until(self, done: Callable[[], bool]) -> bool:
+        """Drive progress on this thread until ``done()``; False if another thread drives."""
+        me = threading.get_ident()
+        if not self._any_thread_may_send or self._driver is not None:
+            return False
+        if not _in_default_modes():
+            # Frames handed over here (requests run inline, tensors received, autograd
+            # recorded) must not inherit the caller's torch.no_grad(), inference mode
+            # or autocast: they belong to other threads and other ranks.
+            with _default_modes():
+                return self.drive_until(done)
+        self._driver = me
+        delay = BACKOFF_MIN_S
+        try:
+            while not done():
+                if self._locked_progress_once():
+                    delay = BACKOFF_MIN_S
+                if done():
+                    break
+                if self.spin:
+                    os.sched_yield()
+                else:
+                    time.sleep(delay)
+                    delay = min(BACKOFF_MAX_S, delay * 2)
+        finally:
+            # The progress thread takes over again at its next check (<= 1 ms);
+            # waking it now would only make it fight the caller for the GIL.
+            self._driver = None
+            self._last_activity = time.monotonic()
+        return True
+
+    def busy(self, delta: int) -> None:
+        """Count running request handlers (+1 when one starts, -1 when it ends)."""
+        with self._busy_lock:
+            self._busy += delta
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the progress thread (used for collectives)."""
+        self._outbox.append(fn)
+        self._kick()
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """From the progress thread: run ``fn`` after the MPI lock is released."""
+        self._ready.append(fn)
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the progress thread after ``delay`` seconds (timeouts)."""
+        self.call_soon(lambda: self._add_timer(time.monotonic() + delay, fn))
+
+    def stop(self) -> None:
+        """Stop the progress thread after it has flushed queued sends."""
+        self._running = False
+        self._kick()
+        self._thread.join()
+
+    def free(self) -> None:
+        for comm in (self.ctrl, self.data, self.coll):
+            comm.Free()
+
+    def _kick(self) -> None:
+        if self._sleeping:
+            self._wake.wake()
+
+    # -- progress ---------------------------------------------------------------
+
+    def _progress_loop(self) -> None:
+        try:
+            self._progress_forever()
+        except BaseException:
+            # A dead progress thread would leave every rank waiting forever:
+            # fail-stop instead, with the cause on stderr.
+            traceback.print_exc()
+            sys.stderr.write(f"lightning_distgrad: RPC progress thread failed on rank "
+                             f"{self.rank}; aborting the MPI job.\n")
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+
+    def _progress_forever(self) -> None:
+        backoff = _Backoff(self._wake)
+        while self._running or self._outbox or self._sends:
+            if self._driver is not None:
+                # The driver posts the outbox too: sleep even if it is not empty.
+                self._wake.sleep(BACKOFF_MAX_S)
+                continue
+            progressed = self._locked_progress_once()
+            now = time.monotonic()
+            if progressed:
+                self._last_activity = now
+                backoff.reset()
+            elif self.spin and not self._busy and (
+                    self._incoming or self._sends or now - self._last_activity < HOT_WINDOW_S):
+                # Hot: MPICH moves big messages only inside MPI calls, so a
+                # transfer in flight is polled without sleeps.
+                os.sched_yield()
+            else:
+                # Idle, or request handlers running: they need the CPU and the
+                # GIL more than we do (a 50 us poll slowed a 16 ms torch.add by
+                # 30%), so sleep longer and longer until traffic comes.
+                self._sleeping = True
+                if not self._outbox:
+                    backoff.sleep(now - self._last_activity)
+                self._sleeping = False
+
+    def _locked_progress_once(self) -> bool:
+        with self._mpi_lock:
+            self._lock_owner = threading.get_ident()
+            try:
+                progressed = self._progress_once()
+            finally:
+                self._lock_owner = None
+        if self._ready:
+            self._deliver_ready()
+        return progressed
+
+    def _deliver_ready(self) -> None:
+        """Hand over complete frames, outside the MPI lock, in arrival order.
+
+        Fix (deadlock): frames used to be handed over under the MPI lock; a
+        completion callback waiting there for an engine lock stopped all
+        progress while the lock's holder waited to send. If another thread is
+        delivering, it takes these items too (it re-checks before leaving).
+        """
+        ready = self._ready
+        while ready and self._deliver_lock.acquire(blocking=False):
+            try:
+                while ready:
+                    item = ready.popleft()
+                    if callable(item):
+                        item()
+                    else:
+                        self._deliver(*item)
+            finally:
+                self._deliver_lock.release()
+
+    def _progress_once(self) -> bool:
+        progressed = self._post_sends()
+        progressed |= self._poll_frames()
+        progressed |= self._test_requests()
+        self._fire_timers()
+        return progressed
+
+    def _post_sends(self) -> bool:
+        """Post queued frames; True if any (queued callables are not traffic)."""
+        outbox = self._outbox
+        posted = False
+        while outbox:
+            item = outbox.popleft()
+            if callable(item):
+                item()
+            else:
+                self._post(item)
+                posted = True
+        return posted
+
+    def _post(self, item: tuple) -> None:
+        dst, raw, buffers = item
+        seq = self._send_seq[dst]
+        self._send_seq[dst] = seq + 1
+        tag = seq % self._tag_mod
+        requests = [self.ctrl.Isend([raw, MPI.BYTE], dst, tag)]
+        for t in buffers:
+            view = tensor_bytes_view(t)
+            for start in range(0, view.size, CHUNK_BYTES):
+                chunk = view[start:start + CHUNK_BYTES]
+                requests.append(self.data.Isend([chunk, MPI.BYTE], dst, tag))
+        self._sends.append((requests, item))
+    def _poll_frames(self) -> bool:
+        status = MPI.Status()
+        progressed = False
+        while True:
+            message = self.ctrl.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            if message is None:
+                return progressed
+            progressed = True
+            source, tag = status.Get_source(), status.Get_tag()
+            raw = bytearray(status.Get_count(MPI.BYTE))
+            message.Recv([raw, MPI.BYTE])
+            frame = Frame.loads(raw)
+            tensors = []
+            requests = []
+            for meta in frame.metas:
+                t = allocate_tensor(meta, self._buffers)
+                tensors.append(t)
+                if meta[3] is None:  # not inline: the bytes follow on ``data``
+                    view = tensor_bytes_view(t)
+                    for start in range(0, view.size, CHUNK_BYTES):
+                        chunk = view[start:start + CHUNK_BYTES]
+                        requests.append(self.data.Irecv([chunk, MPI.BYTE], source, tag))
+            if requests:
+                self._incoming.append(_Incoming(source, frame, tensors, requests))
+            else:
+                self._ready.append((source, frame, tensors))
+
+    def _test_requests(self) -> bool:
+        progressed = False
+        if self._sends:
+            pending = [s for s in self._sends if not MPI.Request.Testall(s[0])]
+            progressed = len(pending) != len(self._sends)
+            self._sends = pending
+        if self._incoming:
+            still = []
+            for item in self._incoming:
+                if MPI.Request.Testall(item.requests):
+                    self._ready.append((item.source, item.frame, item.tensors))
+                    progressed = True
+                else:
+                    still.append(item)
+            self._incoming = still
+        return progressed
+
+    def _deliver(self, source: int, frame: Frame, tensors: list) -> None:
+        if any(meta[4] != "cpu" for meta in frame.metas):
+            tensors = [to_target_device(t, m) for t, m in zip(tensors, frame.metas, strict=True)]
+        self._on_frame(source, frame, tensors)
+
+    def _add_timer(self, deadline: float, fn: Callable[[], None]) -> None:
+        self._timer_seq += 1
+        heapq.heappush(self._timers, (deadline, self._timer_seq, fn))
+
+    def _fire_timers(self) -> None:
+        timers = self._timers
+        while timers and timers[0][0] <= time.monotonic():
+            heapq.heappop(timers)[2]()
+
+    # -- collectives on ``coll`` (driven by the progress thread) -----------------
+
+    def allreduce_sum(self, values: list[int]) -> list[int]:
+        """Sum ``values`` over all ranks; blocks the caller, never the progress thread."""
+        send = np.array(values, dtype=np.int64)
+        recv = np.zeros_like(send)
+        done = threading.Event()
+
+        def poll(request: MPI.Request) -> None:
+            if request.Test():
+                done.set()
+            else:
+                self._add_timer(time.monotonic() + BACKOFF_MAX_S / 2, lambda: poll(request))
+
+        self.call_soon(lambda: poll(self.coll.Iallreduce(send, recv, MPI.SUM)))
+        done.wait()
+        return recv.tolist()

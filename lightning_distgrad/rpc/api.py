@@ -1,0 +1,286 @@
+"""Public RPC API, mirroring ``torch.distributed.rpc``."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+from . import _core, _hooks
+from . import rref as _rref
+from ._agent import Agent, WorkerInfo
+from ._core import UNSET_RPC_TIMEOUT
+from .options import BackendType, MPIRpcBackendOptions
+from .rref import RRef
+
+__all__ = ["init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info",
+           "get_rpc_timeout", "WorkerInfo", "RRef"]
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]*$")
+_exit_hook_installed = False
+
+
+def _name_problem(name: Any) -> str | None:
+    if not isinstance(name, str):
+        return f"worker name must be a str, got {type(name).__name__}"
+    if not name:
+        return "Worker name must be non-empty"
+    if len(name) >= 128:
+        return f"Worker name must be shorter than 128 characters (got {len(name)})"
+    if not _NAME_RE.match(name):
+        return f"Worker name must match ^[A-Za-z0-9-_:]*$. (Got {name})"
+    return None
+
+
+def init_rpc(name: str | None = None, backend: BackendType | None = None, rank: int = -1,
+             world_size: int | None = None,
+             rpc_backend_options: MPIRpcBackendOptions | None = None) -> None:
+    r"""Start the RPC agent on this rank; a collective over the communicator.
+
+    Rank and world size come from MPI. Every rank raises the same error if any
+    rank passed a malformed or duplicate name, or a rank/world size that
+    disagrees with MPI; RPC then stays uninitialised and can be retried.
+
+    Args:
+        name (str, optional): this worker's name, unique in the job (default ``worker{rank}``).
+        backend (BackendType, optional): ``BackendType.MPI`` (``TENSORPIPE`` is an alias).
+        rank (int): checked against the MPI rank when given (default -1: take MPI's).
+        world_size (int, optional): checked against the MPI size when given.
+        rpc_backend_options (MPIRpcBackendOptions, optional): timeout, threads, communicator.
+
+    Example::
+        Run with ``mpiexec -n 2 python -m mpi4py example.py``:
+
+        >>> # xdoctest: +SKIP
+        >>> import torch
+        >>> import lightning_distgrad.rpc as rpc
+        >>> rpc.init_rpc()                       # worker0 on rank 0, worker1 on rank 1
+        >>> if rpc.get_worker_info().id == 0:
+        ...     print(rpc.rpc_sync("worker1", torch.add, (torch.ones(2), 1)))
+        tensor([2., 2.])
+        >>> rpc.shutdown()
+    """
+    if _core.current_agent() is not None:
+        raise RuntimeError("RPC is already initialized")
+    if backend is not None and not isinstance(backend, BackendType):
+        raise TypeError("Argument backend must be a member of BackendType")
+    options = rpc_backend_options if rpc_backend_options is not None else MPIRpcBackendOptions()
+    if not isinstance(options, MPIRpcBackendOptions):
+        raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
+    comm = options.comm if options.comm is not None else MPI.COMM_WORLD
+    my_rank, size = comm.Get_rank(), comm.Get_size()
+    name = f"worker{my_rank}" if name is None else name
+    problems = []
+    if (p := _name_problem(name)) is not None:
+        problems.append(p)
+    if rank not in (-1, None) and rank != my_rank:
+        problems.append(f"rank={rank} was passed but MPI says this process is rank {my_rank}")
+    if world_size is not None and world_size != size:
+        problems.append(f"world_size={world_size} was passed but the MPI job has {size} ranks")
+    everyone = comm.allgather((name, problems, options.device_maps))
+    _raise_init_problems([(n, ps) for n, ps, _ in everyone])
+    infos = [WorkerInfo(n, r) for r, (n, _, _) in enumerate(everyone)]
+    rank_of = {info.name: info.id for info in infos}
+    # Checked before the agent exists: raising later left a running agent behind.
+    for src, (_, _, maps) in enumerate(everyone):
+        for dst_name in maps:
+            if dst_name not in rank_of:
+                raise ValueError(f"rank {src} set a device map for unknown worker {dst_name!r}")
+    _hooks.get().on_init(my_rank)
+    context = _rref.init_context(my_rank)
+    agent = Agent(comm, infos, my_rank, options.rpc_timeout, options.num_worker_threads,
+                  on_arrival=lambda src, frame: [context.add_fork(*f) for f in frame.forks],
+                  on_control=lambda src, body: _on_control(context, src, body))
+    for src, (_, _, maps) in enumerate(everyone):
+        for dst_name, mapping in maps.items():
+            agent.device_maps[src][rank_of[dst_name]] = mapping
+    # Current first, then receiving: requests from faster peers may arrive at once.
+    _core.set_agent(agent)
+    agent.start()
+    _install_exit_hooks(size)
+
+
+def _on_control(rrefs: _rref.RRefContext, src: int, body: tuple) -> None:
+    """Route a CONTROL frame: RRef fork bookkeeping, or distributed autograd's."""
+    if body[0] == _hooks.AUTOGRAD_CONTROL:
+        _hooks.get().on_control(src, body[1:])
+    else:
+        rrefs.on_control(body)
+
+
+def _raise_init_problems(everyone: list) -> None:
+    lines = [f"  rank {r} ({n!r}): {p}" for r, (n, ps) in enumerate(everyone) for p in ps]
+    seen: dict[str, int] = {}
+    for r, (n, _) in enumerate(everyone):
+        if n in seen:
+            lines.append(f"  RPC worker name {n!r} is not unique: ranks {seen[n]} and {r} use it")
+        seen.setdefault(n, r)
+    if lines:
+        raise RuntimeError("init_rpc failed on every rank because:\n" + "\n".join(lines)
+                           + "\nFix the arguments and call init_rpc again.")
+
+
+def _install_exit_hooks(size: int) -> None:
+    global _exit_hook_installed
+    if _exit_hook_installed:
+        return
+    _exit_hook_installed = True
+    # Runs before the interpreter joins thread pools (and before mpi4py's
+    # MPI_Finalize), so peers still get their answers.
+    threading._register_atexit(_shutdown_at_exit)
+    if size > 1:
+        previous = sys.excepthook
+
+        def abort_job(exc_type, exc, tb):
+            previous(exc_type, exc, tb)
+            if issubclass(exc_type, SystemExit):
+                return
+            rank = MPI.COMM_WORLD.Get_rank()
+            sys.stderr.write(f"lightning_distgrad: uncaught {exc_type.__name__} on rank {rank}; "
+                             "aborting the MPI job so the other ranks do not wait forever.\n")
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+            # MPICH's MPI_Abort can return before the process manager kills
+            # this rank; Python would then run the exit hook, whose graceful
+            # shutdown lets the other ranks finish as if nothing failed.
+            os._exit(1)
+
+        sys.excepthook = abort_job
+
+
+def _shutdown_at_exit() -> None:
+    if _core.current_agent() is not None:
+        shutdown(graceful=True)
+
+
+def shutdown(graceful: bool = True, timeout: float = 0) -> None:
+    r"""Stop the agent. Graceful: wait until every rank's outstanding work is done.
+
+    With ``graceful=True`` (a collective) user RRefs are released, every
+    request in the job is answered, then the agent stops. With
+    ``graceful=False`` only this rank's agent stops at once.
+
+    Args:
+        graceful (bool): wait for all ranks (default True).
+        timeout (float): seconds to wait for this rank's pending RPCs; 0 waits forever.
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> rpc.init_rpc()
+        >>> rpc.shutdown()   # on every rank
+    """
+    agent = _core.require_agent()
+    try:
+        if graceful:
+            _rref._require_context().delete_all_users(agent)
+            agent.wait_quiescent(timeout)
+    finally:
+        _core.set_agent(None)
+        agent.stop()
+        _hooks.get().on_shutdown()
+
+
+def rpc_sync(to: str | int | WorkerInfo, func: Callable, args: tuple | None = None,
+             kwargs: dict | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+    r"""Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
+
+    Args:
+        to (str or int or WorkerInfo): the destination worker.
+        func (Callable): a torch operator or a module-level Python function.
+        args (tuple): positional arguments; tensors and any picklable structures.
+        kwargs (dict): keyword arguments.
+        timeout (float): seconds; 0 means no timeout, -1 the default (``get_rpc_timeout()``).
+
+    Returns:
+        The result. A remote exception is re-raised here with its original type
+        and the remote traceback in its message.
+
+    Example::
+        Run with ``mpiexec -n 2 python -m mpi4py example.py``:
+
+        >>> # xdoctest: +SKIP
+        >>> # On worker 0:
+        >>> rpc.init_rpc()
+        >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))
+        tensor([4., 4.])
+        >>> rpc.shutdown()
+    """
+    return _core.wait(_core.invoke(to, func, args, kwargs, timeout, user_visible=False))
+
+
+def rpc_async(to: str | int | WorkerInfo, func: Callable, args: tuple | None = None,
+              kwargs: dict | None = None,
+              timeout: float = UNSET_RPC_TIMEOUT) -> torch.futures.Future:
+    r"""Like :func:`rpc_sync` but returns a ``torch.futures.Future`` at once.
+
+    Callbacks added with ``then`` run on the agent's callback thread, never on
+    its progress thread.
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> # On worker 0:
+        >>> fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 3))
+        >>> fut.wait()
+        tensor([4., 4.])
+    """
+    return _core.invoke(to, func, args, kwargs, timeout, user_visible=True)
+
+
+def remote(to: str | int | WorkerInfo, func: Callable, args: tuple | None = None,
+           kwargs: dict | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> RRef:
+    r"""Run ``func`` on ``to``, keep the result there and return an :class:`RRef` to it.
+
+    Errors and timeouts surface at the next ``to_here()``.
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> # On worker 0:
+        >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 3))
+        >>> rref.to_here()
+        tensor([4., 4.])
+    """
+    return _rref.create_remote(to, func, args, kwargs, timeout)
+
+
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """The ``WorkerInfo`` of ``worker_name``, or of this worker when None.
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> rpc.get_worker_info("worker1")
+        WorkerInfo(id=1, name=worker1)
+    """
+    agent = _core.require_agent()
+    if worker_name is None:
+        return agent.info
+    return _core.resolve(agent, worker_name)
+
+
+def get_rpc_timeout() -> float:
+    """The default RPC timeout in seconds."""
+    return _core.require_agent().timeout
+
+
+def _set_rpc_timeout(rpc_timeout: float) -> None:
+    """Set the default timeout of RPCs issued from now on (seconds; 0 = none)."""
+    _core.require_agent().timeout = float(rpc_timeout)
+
+
+def _get_current_rpc_agent() -> Agent:
+    return _core.require_agent()
+
+
+def _rref_context_get_debug_info() -> dict[str, int]:
+    return _rref._require_context().debug_info()
+
+
+def _get_debug_info() -> dict[str, int]:
+    info = dict(_rref_context_get_debug_info())
+    info["num_pending_requests"] = _core.require_agent().num_pending()
+    return info

@@ -1,0 +1,80 @@
+"""Backend type and options, shaped like torch's TensorPipe options."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+__all__ = ["BackendType", "MPIRpcBackendOptions", "TensorPipeRpcBackendOptions",
+           "RpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "DEFAULT_NUM_WORKER_THREADS"]
+
+DEFAULT_RPC_TIMEOUT_SEC = 60.0
+DEFAULT_NUM_WORKER_THREADS = 16
+
+
+class BackendType(enum.Enum):
+    """RPC backends. ``TENSORPIPE`` is an alias of ``MPI`` so ported code runs unchanged."""
+
+    MPI = "MPI"
+    TENSORPIPE = "MPI"
+
+
+def _to_device(d: Any) -> torch.device:
+    return torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
+
+
+class MPIRpcBackendOptions:
+    r"""Options of the MPI agent.
+
+    Args:
+        num_worker_threads (int): threads that run incoming requests (default 16).
+        rpc_timeout (float): default timeout of RPCs in seconds; 0 means none (default 60).
+        comm (mpi4py.MPI.Comm): the communicator whose ranks are the workers
+            (default ``MPI.COMM_WORLD``); the agent works on private duplicates.
+        device_maps (dict): ``{worker_name: {local_device: remote_device}}`` for CUDA
+            tensors, as ``TensorPipeRpcBackendOptions.device_maps``.
+        devices (list): accepted for compatibility.
+        init_method, _transports, _channels: accepted and ignored, so options
+            written for TensorPipe work unchanged (MPI provides rendezvous).
+
+    Example::
+        >>> opts = MPIRpcBackendOptions(rpc_timeout=20)
+        >>> opts.set_device_map("worker1", {0: 1})
+        >>> opts.device_maps["worker1"]
+        {device(type='cuda', index=0): device(type='cuda', index=1)}
+    """
+
+    def __init__(self, *, num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
+                 rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC, comm: Any = None,
+                 device_maps: dict | None = None, devices: list | None = None,
+                 init_method: str | None = None, _transports: Any = None,
+                 _channels: Any = None):
+        if num_worker_threads < 1:
+            raise ValueError(f"num_worker_threads must be at least 1, got {num_worker_threads}")
+        self.num_worker_threads = num_worker_threads
+        self.rpc_timeout = float(rpc_timeout)
+        self.comm = comm
+        self.init_method = init_method
+        self.devices = [_to_device(d) for d in devices or []]
+        self.device_maps: dict[str, dict[torch.device, torch.device]] = {}
+        for to, mapping in (device_maps or {}).items():
+            self.set_device_map(to, mapping)
+
+    def set_device_map(self, to: str, device_map: dict) -> None:
+        """Map this worker's devices to ``to``'s devices for tensors sent there (1-to-1)."""
+        mapping = dict(self.device_maps.get(to, {}))
+        for k, v in device_map.items():
+            k, v = _to_device(k), _to_device(v)
+            for other_k, other_v in mapping.items():
+                if other_v == v and other_k != k:
+                    raise ValueError(
+                        f"`set_device_map` only supports 1-to-1 mapping, trying to map {other_k} "
+                        f"and {k} to {v}")
+            mapping[k] = v
+        self.device_maps[to] = mapping
+
+
+TensorPipeRpcBackendOptions = MPIRpcBackendOptions
+RpcBackendOptions = MPIRpcBackendOptions

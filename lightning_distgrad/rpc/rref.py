@@ -1,0 +1,525 @@
+"""Remote references: ``RRef`` and the owner-side reference counting.
+
+The owner keeps a value alive while any user reference (a *fork*) exists
+anywhere. Forks are registered with the owner before they can be deleted:
+
+* the owner registers a fork it hands out at once (early registration);
+* a user sending an RRef to its owner lists the new fork in the message frame,
+  and the owner registers it on arrival, in order, before any later delete
+  from that user is applied;
+* a user sending an RRef to a third worker first sends the owner an
+  ``add_fork`` control frame, again ahead of its own later delete; a delete
+  that overtakes its registration (it came from the third worker) leaves a
+  tombstone that cancels the registration.
+
+So a user that hands an RRef on and drops its own copy at once never makes the
+owner drop the value too early, and the owner drops it when the last fork is
+deleted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from . import _core, _hooks
+from ._agent import WorkerInfo, is_async_function, set_error
+from ._wire import current_pickling_context
+from .functions import async_execution
+
+__all__ = ["RRef"]
+
+T = TypeVar("T")
+
+
+def _guid_str(guid: tuple[int, int]) -> str:
+    return f"GloballyUniqueId(created_on={guid[0]}, local_id={guid[1]})"
+
+
+class _OwnerEntry:
+    """The owner's record of one value: its future and its live forks."""
+
+    __slots__ = ("rref_id", "future", "forks", "__weakref__")
+
+    def __init__(self, rref_id: tuple[int, int]):
+        self.rref_id = rref_id
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.forks: set[tuple[int, int]] = set()
+
+
+class _UserState:
+    """What a user reference knows about its remote value."""
+
+    __slots__ = ("owner", "rref_id", "fork_id", "creation", "confirmed", "deleted", "type")
+
+    def __init__(self, owner: WorkerInfo, rref_id, fork_id, confirmed: bool,
+                 creation: torch.futures.Future | None = None):
+        self.owner = owner
+        self.rref_id = rref_id
+        self.fork_id = fork_id
+        self.creation = creation
+        self.confirmed = confirmed
+        self.deleted = False
+        self.type = None
+
+
+class RRefContext:
+    """Per-process RRef bookkeeping: owned values, their forks, live users."""
+
+    def __init__(self, worker_id: int):
+        self.worker_id = worker_id
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self.owners: dict[tuple, _OwnerEntry] = {}  # values that have live forks
+        self._local: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._early_deletes: set[tuple] = set()
+        self._users: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def new_guid(self) -> tuple[int, int]:
+        return (self.worker_id, next(self._ids))
+
+    def new_entry(self, rref_id=None) -> _OwnerEntry:
+        entry = _OwnerEntry(rref_id or self.new_guid())
+        self._local[entry.rref_id] = entry
+        return entry
+
+    def entry(self, rref_id) -> _OwnerEntry:
+        """The owner entry for ``rref_id``, created (pending) if unknown yet."""
+        with self._lock:
+            entry = self.owners.get(rref_id) or self._local.get(rref_id)
+            if entry is None:
+                entry = _OwnerEntry(rref_id)
+                self._local[rref_id] = entry
+            return entry
+
+    def add_fork(self, rref_id, fork_id) -> None:
+        key = (rref_id, fork_id)
+        with self._lock:
+            if key in self._early_deletes:
+                self._early_deletes.discard(key)
+                return
+            entry = self.owners.get(rref_id) or self._local.get(rref_id)
+            if entry is None:
+                entry = _OwnerEntry(rref_id)
+                self._local[rref_id] = entry
+            entry.forks.add(fork_id)
+            self.owners[rref_id] = entry
+
+    def del_fork(self, rref_id, fork_id) -> None:
+        with self._lock:
+            entry = self.owners.get(rref_id)
+            if entry is None or fork_id not in entry.forks:
+                self._early_deletes.add((rref_id, fork_id))
+                return
+            entry.forks.discard(fork_id)
+            if not entry.forks:
+                del self.owners[rref_id]
+        del entry  # the value may be freed here, outside the lock
+
+    def consume_fork(self, rref_id, fork_id) -> _OwnerEntry:
+        """Turn a fork that came back to its owner into the owner's own reference."""
+        with self._lock:
+            entry = self.owners.get(rref_id)
+            if entry is None or fork_id not in entry.forks:
+                raise RuntimeError(
+                    f"RRef {_guid_str(rref_id)} with fork {_guid_str(fork_id)} is unknown on its "
+                    "owner: it was deleted before it arrived")
+            entry.forks.discard(fork_id)
+            if not entry.forks:
+                del self.owners[rref_id]
+            return entry
+
+    def track_user(self, rref: RRef) -> None:
+        self._users[rref._user.fork_id] = rref
+
+    def delete_all_users(self, agent) -> None:
+        """Graceful shutdown: tell owners that every user reference here is gone."""
+        for rref in list(self._users.values()):
+            rref._delete(agent)
+
+    def debug_info(self) -> dict[str, int]:
+        with self._lock:
+            entries = list(self.owners.values())
+        users = list(self._users.values())
+        return {
+            "num_owner_rrefs": len(entries),
+            "num_pending_futures": sum(not e.future.done() for e in entries),
+            "num_pending_users": sum(not r._user.confirmed for r in users),
+            "num_forks": sum(len(e.forks) for e in entries),
+        }
+
+    def on_control(self, body: Any) -> None:
+        op, rref_id, fork_id = body
+        if op == "del_fork":
+            self.del_fork(rref_id, fork_id)
+        else:
+            self.add_fork(rref_id, fork_id)
+
+
+_context: RRefContext | None = None
+
+
+def init_context(worker_id: int) -> RRefContext:
+    global _context
+    _context = RRefContext(worker_id)
+    return _context
+
+
+def _require_context() -> RRefContext:
+    _core.require_agent()
+    assert _context is not None
+    return _context
+
+
+# ---------------------------------------------------------------------------
+# RPC handlers (run on the owner)
+
+
+@async_execution
+def _create_owner_value(rref_id, func: Callable, args: tuple, kwargs: dict) -> torch.futures.Future:
+    entry = _require_context().entry(rref_id)
+    done: torch.futures.Future = torch.futures.Future()
+
+    def finish(value: Any = None, error: BaseException | None = None) -> None:
+        if error is None:
+            entry.future.set_result(value)
+            done.set_result(None)
+        else:
+            # Fix (leak): set_error, and drop the traceback entry of the frame
+            # that caught the error (this function or on_done): that frame
+            # references entry and done, so storing it in them made a cycle
+            # through C++ that gc cannot free. The function's own frames stay.
+            tb = error.__traceback__
+            error = error.with_traceback(tb.tb_next if tb is not None else None)
+            set_error(entry.future, error)
+            set_error(done, error)
+
+    try:
+        result = func(*args, **kwargs)
+    except BaseException as e:
+        finish(error=e)
+        return done
+    # torch._C.Future: ``then()``/``collect_all()`` return the C base class.
+    if is_async_function(func) and isinstance(result, torch._C.Future):
+        def on_done(f: torch.futures.Future) -> None:
+            try:
+                finish(f.wait())
+            except BaseException as e:
+                finish(error=e)
+
+        result.add_done_callback(on_done)
+    else:
+        finish(result)
+    return done
+
+
+@async_execution
+def _rref_fetch(rref_id) -> torch.futures.Future:
+    return _require_context().entry(rref_id).future
+
+
+def _rref_type(rref_id) -> type:
+    return type(_require_context().entry(rref_id).future.wait())
+
+
+@async_execution
+def _invoke_on_rref(rref: RRef, name: str, args: tuple, kwargs: dict) -> torch.futures.Future:
+    value = rref.local_value()
+    method = getattr(value, name)
+    if is_async_function(getattr(type(value), name, None)):
+        return method(*args, **kwargs)
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(method(*args, **kwargs))
+    return fut
+
+
+def _rref_backward(rref: RRef, ctx_id: int, retain_graph: bool) -> None:
+    rref.backward(ctx_id, retain_graph)
+
+
+def _rebuild_rref(owner: WorkerInfo, rref_id, fork_id, confirmed: bool) -> RRef:
+    context = _require_context()
+    if owner.id == context.worker_id:
+        return RRef._from_entry(context.consume_fork(rref_id, fork_id))
+    return RRef._from_user(_UserState(owner, rref_id, fork_id, confirmed))
+
+
+# ---------------------------------------------------------------------------
+
+
+class _Proxy:
+    """``rref.rpc_sync().method(...)`` and friends: run a method on the owner."""
+
+    def __init__(self, rref: RRef, mode: str, timeout: float):
+        self._rref = rref
+        self._mode = mode
+        self._timeout = timeout
+
+    def __getattr__(self, name: str) -> Callable:
+        rref, mode, timeout = self._rref, self._mode, self._timeout
+
+        def call(*args, **kwargs):
+            packed = (rref, name, args, kwargs)
+            if mode == "remote":
+                return create_remote(rref.owner(), _invoke_on_rref, packed, None, timeout)
+            fut = _core.invoke(rref.owner(), _invoke_on_rref, packed, None, timeout,
+                               user_visible=mode == "async")
+            return _core.wait(fut) if mode == "sync" else fut
+
+        return call
+
+
+class RRef(Generic[T]):
+    r"""A reference to a value that lives on one worker (its *owner*).
+
+    ``RRef(value)`` makes a local reference; :func:`lightning_distgrad.rpc.remote`
+    returns references to values created on other workers. An RRef can be passed
+    in RPC arguments and results; the owner keeps the value until the last
+    reference anywhere is deleted.
+
+    Example::
+        Run with ``mpiexec -n 2 python -m mpi4py example.py``:
+
+        >>> # xdoctest: +SKIP
+        >>> import torch
+        >>> import lightning_distgrad.rpc as rpc
+        >>> # On worker 0:
+        >>> rpc.init_rpc()
+        >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 3))
+        >>> rref.to_here()
+        tensor([4., 4.])
+        >>> rref.rpc_sync().size()
+        torch.Size([2])
+        >>> rpc.shutdown()
+    """
+
+    __slots__ = ("_entry", "_user", "_creation", "__weakref__")
+
+    def __init__(self, value: T, type_hint: Any = None):
+        entry = _require_context().new_entry()
+        entry.future.set_result(value)
+        self._entry: _OwnerEntry | None = entry
+        self._user: _UserState | None = None
+        self._creation: torch.futures.Future | None = None
+
+    @classmethod
+    def _from_entry(cls, entry: _OwnerEntry, creation=None) -> RRef:
+        rref = cls.__new__(cls)
+        rref._entry, rref._user, rref._creation = entry, None, creation
+        return rref
+
+    @classmethod
+    def _from_user(cls, state: _UserState) -> RRef:
+        rref = cls.__new__(cls)
+        rref._entry, rref._user, rref._creation = None, state, state.creation
+        _require_context().track_user(rref)
+        return rref
+
+    # -- identity ---------------------------------------------------------------
+
+    def is_owner(self) -> bool:
+        """Whether this worker owns the value."""
+        return self._entry is not None
+
+    def owner(self) -> WorkerInfo:
+        """The ``WorkerInfo`` of the owner."""
+        if self._user is not None:
+            return self._user.owner
+        return _core.require_agent().info
+
+    def owner_name(self) -> str:
+        """The name of the owner."""
+        return self.owner().name
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner is known to hold this reference (always True on the owner)."""
+        if self._user is None:
+            return True
+        creation = self._creation
+        if not self._user.confirmed and creation is not None and creation.done():
+            try:
+                creation.wait()
+                self._user.confirmed = True
+            except Exception:
+                pass
+        return self._user.confirmed
+
+    def _rref_id(self):
+        return self._entry.rref_id if self._entry is not None else self._user.rref_id
+
+    def __repr__(self) -> str:
+        if self._user is None:
+            return f"OwnerRRef({_guid_str(self._rref_id())})"
+        return (f"UserRRef(RRefId = {_guid_str(self._user.rref_id)}, "
+                f"ForkId = {_guid_str(self._user.fork_id)})")
+
+    # -- values -----------------------------------------------------------------
+
+    def local_value(self) -> T:
+        """The value itself; only on the owner."""
+        if self._user is not None:
+            me = _core.require_agent().info
+            raise RuntimeError(
+                f"For UserRRef(rref_id={_guid_str(self._user.rref_id)}, "
+                f"fork_id={_guid_str(self._user.fork_id)}), can't call localValue() on user "
+                f"{me}. Call it on owner {self._user.owner}")
+        return self._entry.future.wait()
+
+    def to_here(self, timeout: float = _core.UNSET_RPC_TIMEOUT) -> T:
+        """The value: itself on the owner, a copy fetched from the owner elsewhere.
+
+        Inside a distributed autograd context the fetch is recorded, so
+        gradients flow back to the owner's value.
+        """
+        if self._user is None:
+            return self._entry.future.wait()
+        if self._user.deleted:
+            raise RuntimeError(
+                f"{self} has been deleted. Cannot call to_here() on it after deletion.")
+        self._raise_if_creation_timed_out()
+        value = _core.wait(_core.invoke(self._user.owner, _rref_fetch, (self._user.rref_id,),
+                                        None, timeout, user_visible=False))
+        self._user.confirmed = True
+        return value
+
+    def _raise_if_creation_timed_out(self) -> None:
+        creation = self._creation
+        if creation is None or not creation.done():
+            return
+        try:
+            creation.wait()
+        except RuntimeError as e:
+            if "RPC ran for more than" in str(e):
+                raise RuntimeError(
+                    "RRef creation via rpc.remote() timed out, and it is possible that the "
+                    "RRef on the owner node does not exist.") from e
+
+    def _get_future(self) -> torch.futures.Future:
+        """The future of the ``remote()`` call that created this RRef."""
+        if self._creation is None:
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(None)
+            return done
+        return self._creation
+
+    def _get_type(self, timeout: float = _core.UNSET_RPC_TIMEOUT, blocking: bool = True):
+        if self._user is None:
+            return type(self._entry.future.wait())
+        if self._user.type is None:
+            self._user.type = _core.wait(_core.invoke(
+                self._user.owner, _rref_type, (self._user.rref_id,), None, timeout,
+                user_visible=False))
+        return self._user.type
+
+    # -- proxies ----------------------------------------------------------------
+
+    def rpc_sync(self, timeout: float = _core.UNSET_RPC_TIMEOUT) -> Any:
+        """A proxy whose method calls run on the owner with ``rpc_sync``."""
+        return _Proxy(self, "sync", timeout)
+
+    def rpc_async(self, timeout: float = _core.UNSET_RPC_TIMEOUT) -> Any:
+        """A proxy whose method calls run on the owner with ``rpc_async``."""
+        return _Proxy(self, "async", timeout)
+
+    def remote(self, timeout: float = _core.UNSET_RPC_TIMEOUT) -> Any:
+        """A proxy whose method calls run on the owner with ``remote``."""
+        return _Proxy(self, "remote", timeout)
+
+    # -- autograd ---------------------------------------------------------------
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run backward from the value (a scalar tensor), on its owner.
+
+        With ``dist_autograd_ctx_id=-1`` on the owner this is a local
+        ``torch.autograd.backward``; otherwise a distributed backward pass in
+        that context.
+        """
+        if self._user is not None:
+            if dist_autograd_ctx_id == -1:
+                raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
+            _core.wait(_core.invoke(self._user.owner, _rref_backward,
+                                    (self, dist_autograd_ctx_id, retain_graph), None,
+                                    _core.UNSET_RPC_TIMEOUT, user_visible=False))
+            return
+        value = self._entry.future.wait()
+        if not isinstance(value, torch.Tensor):
+            raise RuntimeError("RRef should contain a tensor for .backward()")
+        if dist_autograd_ctx_id == -1:
+            torch.autograd.backward([value], retain_graph=retain_graph)
+        else:
+            _hooks.get().backward(dist_autograd_ctx_id, [value], retain_graph)
+
+    # -- pickling and lifetime ----------------------------------------------------
+
+    def __reduce__(self):
+        pctx = current_pickling_context()
+        if pctx is None:
+            raise RuntimeError(
+                "Can not pickle rref in python pickler, rref can only be pickled when using RPC")
+        agent = _core.require_agent()
+        context = _require_context()
+        fork_id = context.new_guid()
+        owner = self.owner()
+        # Fix (leak): fork registrations are deferred to pctx.on_send, which
+        # runs only once the whole message has pickled and is about to be sent.
+        # Registered here at once, a fork in a message that then failed to
+        # pickle (another argument was a lambda) stayed on the owner forever.
+        if self._user is None:
+            entry = self._entry  # the closure keeps it alive until registered
+            pctx.on_send.append(lambda: context.add_fork(entry.rref_id, fork_id))  # early
+            return (_rebuild_rref, (owner, entry.rref_id, fork_id, True))
+        if self._user.deleted:
+            raise RuntimeError("Cannot call fork an UserRRef after deletion.")
+        rref_id = self._user.rref_id
+        if pctx.dst_id == owner.id:
+            pctx.arrival_forks.append((rref_id, fork_id))
+        else:
+            pctx.on_send.append(
+                lambda: agent.send_control(owner.id, ("add_fork", rref_id, fork_id)))
+        return (_rebuild_rref, (owner, rref_id, fork_id, False))
+
+    def _delete(self, agent) -> None:
+        state = self._user
+        if state is None or state.deleted:
+            return
+        state.deleted = True
+        agent.send_control(state.owner.id, ("del_fork", state.rref_id, state.fork_id))
+
+    def __del__(self) -> None:
+        # getattr: ``RRef(value)`` before init_rpc raises in __init__, before
+        # _user is set, and __del__ still runs on the half-built object.
+        user = getattr(self, "_user", None)
+        if user is None or user.deleted:
+            return
+        agent = _core.current_agent()
+        if agent is not None:
+            try:
+                self._delete(agent)
+            except Exception:  # interpreter teardown: nothing left to tell
+                pass
+
+
+def create_remote(to: Any, func: Callable, args, kwargs, timeout: float) -> RRef:
+    """``rpc.remote``: run ``func`` on ``to`` and return a reference to its result."""
+    agent = _core.require_agent()
+    dst = _core.resolve(agent, to)
+    if not callable(func):
+        raise TypeError("function should be callable.")
+    context = _require_context()
+    rref_id = context.new_guid()
+    packed = (rref_id, func, tuple(args or ()), dict(kwargs or {}))
+    force = not _core.is_builtin(func)
+    if dst.id == agent.info.id:
+        entry = context.new_entry(rref_id)
+        creation = _core.invoke(dst, _create_owner_value, packed, None, timeout,
+                                user_visible=False, force_autograd=force)
+        return RRef._from_entry(entry, creation)
+    fork_id = context.new_guid()
+    creation = _core.invoke(dst, _create_owner_value, packed, None, timeout, user_visible=False,
+                            force_autograd=force, arrival_forks=[(rref_id, fork_id)])
+    return RRef._from_user(_UserState(dst, rref_id, fork_id, False, creation))

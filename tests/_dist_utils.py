@@ -1,0 +1,283 @@
+"""Helpers and remote functions shared by the distributed autograd tests.
+
+Every rank imports this module (the test modules do), so the functions below
+can be sent by reference in RPCs. Helpers that talk to the other ranks
+(:func:`exchange`, :func:`wait_everywhere`) are collectives: call them
+unconditionally on every rank.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+
+import lightning_distgrad.autograd as dist_autograd
+from lightning_distgrad import rpc
+
+#: Bound for anything asynchronous to settle (context cleanup, late passes).
+SETTLE_TIMEOUT_S = 30.0
+
+
+# ---------------------------------------------------------------------------
+# Waiting and collectives
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = SETTLE_TIMEOUT_S,
+               interval: float = 0.005) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` passes; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return bool(predicate())
+        time.sleep(interval)
+
+
+def exchange(world, obj):
+    """Allgather ``obj`` over the test communicator (after a sleeping barrier)."""
+    world.barrier()
+    return world.comm.allgather(obj)
+
+
+def debug_info() -> dict[str, int]:
+    return dist_autograd._get_debug_info()
+
+
+def has_context(context_id: int) -> bool:
+    try:
+        dist_autograd._retrieve_context(context_id)
+    except RuntimeError:
+        return False
+    return True
+
+
+def assert_no_backward_pass_anywhere(world, timeout: float = 10.0) -> None:
+    """After a barrier, no rank may show a running backward pass (bounded wait).
+
+    The verdict is gathered, so every rank passes or fails together.
+    """
+    world.barrier()
+    wait_until(lambda: debug_info()["num_current_backward_passes"] == 0, timeout)
+    counts = exchange(world, debug_info()["num_current_backward_passes"])
+    assert counts == [0] * world.size, (
+        f"backward passes still running, per rank: {counts} (rank {world.rank} asks)")
+
+
+def assert_contexts_released(world, context_ids: Sequence[int],
+                             timeout: float = SETTLE_TIMEOUT_S) -> None:
+    """Every rank waits (bounded) until it holds none of ``context_ids``; a collective."""
+    world.barrier()
+    ids = list(context_ids)
+    ok = wait_until(lambda: not any(has_context(i) for i in ids), timeout)
+    left = [hex(i) for i in ids if has_context(i)]
+    world.barrier()
+    assert ok, f"rank {world.rank} still holds contexts {left} {timeout} s after their release"
+
+
+def wait_for_no_contexts(world, timeout: float = SETTLE_TIMEOUT_S) -> None:
+    """Every rank waits (bounded) until it holds no context at all; a collective."""
+    world.barrier()
+    ok = wait_until(lambda: debug_info()["num_autograd_contexts"] == 0, timeout)
+    info = debug_info()
+    world.barrier()
+    assert ok, f"rank {world.rank}: contexts left {timeout} s after the last release: {info}"
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------------------
+# Running a function locally or on another worker
+
+
+class ExecMode(enum.Enum):
+    LOCAL = "local"
+    RPC_SYNC = "rpc_sync"
+    RPC_ASYNC = "rpc_async"
+    REMOTE = "remote"
+
+
+REMOTE_MODES = [ExecMode.RPC_SYNC, ExecMode.RPC_ASYNC, ExecMode.REMOTE]
+
+
+def exec_func(mode: ExecMode, dst, fn: Callable, *args):
+    if mode is ExecMode.LOCAL:
+        return fn(*args)
+    if mode is ExecMode.RPC_SYNC:
+        return rpc.rpc_sync(dst, fn, args)
+    if mode is ExecMode.RPC_ASYNC:
+        return rpc.rpc_async(dst, fn, args).wait()
+    if mode is ExecMode.REMOTE:
+        return rpc.remote(dst, fn, args).to_here()
+    raise ValueError(mode)
+
+
+class Rotation:
+    """The other workers in turn (torch's ``_next_rank``), starting after this rank."""
+
+    def __init__(self, world, include_self: bool = False):
+        self._world = world
+        self._distances = list(range(1, world.size)) + ([0] if include_self else [])
+        self._i = 0
+
+    def next(self) -> str:
+        d = self._distances[self._i % len(self._distances)]
+        self._i += 1
+        return self._world.peer(d)
+
+
+def local_grads(forward: Callable, *leaves: torch.Tensor) -> list[torch.Tensor | None]:
+    """Run ``forward(LOCAL exec, *clones)`` with plain autograd; the clones' ``.grad``."""
+    clones = [t.detach().clone().requires_grad_(t.requires_grad) for t in leaves]
+    roots = forward(lambda fn, *args: fn(*args), *clones)
+    torch.autograd.backward(list(roots))
+    return [c.grad for c in clones]
+
+
+def assert_grads_match(grads: dict, leaves: Sequence[torch.Tensor],
+                       expected: Sequence[torch.Tensor | None]) -> None:
+    """torch's ``_verify_backwards``: the leaves with a local grad, and nothing else."""
+    with_grad = 0
+    for i, (leaf, exp) in enumerate(zip(leaves, expected, strict=True)):
+        if exp is None:
+            assert leaf not in grads, f"leaf {i} has no local gradient but got one in the context"
+            continue
+        with_grad += 1
+        assert leaf in grads, f"leaf {i} is missing from get_gradients()"
+        torch.testing.assert_close(grads[leaf], exp, msg=lambda m, i=i: f"leaf {i}: {m}")
+    assert len(grads) == with_grad, (
+        f"get_gradients() has extra entries: {len(grads)} != {with_grad}")
+
+
+def check_against_local(forward: Callable, mode: ExecMode, dst, *leaves: torch.Tensor,
+                        retain_graph: bool = False) -> dict:
+    """``forward`` via ``mode`` inside a context, backward, compare with local autograd."""
+    expected = local_grads(forward, *leaves)
+    with dist_autograd.context() as context_id:
+        roots = forward(lambda fn, *args: exec_func(mode, dst, fn, *args), *leaves)
+        dist_autograd.backward(context_id, list(roots), retain_graph=retain_graph)
+        grads = dist_autograd.get_gradients(context_id)
+        assert_grads_match(grads, leaves, expected)
+    for leaf in leaves:
+        assert leaf.grad is None, ".grad of a leaf was touched by the distributed backward"
+    return grads
+
+
+# ---------------------------------------------------------------------------
+# Remote functions
+
+
+def my_py_add(t1, t2):
+    return torch.add(t1, t2)
+
+
+def my_scalar_add(a, b):
+    return a + b
+
+
+def my_py_nested_call(t1, t2, path: list[str]):
+    """Forward ``(t1, t2)`` along ``path``; the last worker runs ``my_py_add``."""
+    if len(path) > 1:
+        return rpc.rpc_sync(path[0], my_py_nested_call, (t1, t2, path[1:]))
+    return rpc.rpc_sync(path[0], my_py_add, (t1, t2))
+
+
+def my_rref_add(rref_t1, t2):
+    return torch.add(rref_t1.local_value(), t2)
+
+
+def my_nested_rref_add(dst, rref_t1, t2):
+    return rpc.rpc_sync(dst, my_rref_add, (rref_t1, t2))
+
+
+def torch_ones(shape, requires_grad=False):
+    return torch.ones(shape, requires_grad=requires_grad)
+
+
+def owner_grad(context_id: int, rref) -> torch.Tensor | None:
+    """On the RRef's owner: the gradient of its value in ``context_id`` (None if absent)."""
+    return dist_autograd.get_gradients(context_id).get(rref.local_value())
+
+
+
+# ---------------------------------------------------------------------------
+# Autograd functions for error and timing tests; flags are per key (a context
+# id), so ranks running the same test at once do not disturb each other.
+
+_flags: dict = {}
+_flags_lock = threading.Lock()
+
+
+def set_flag(key, value) -> None:
+    with _flags_lock:
+        if value is None:
+            _flags.pop(key, None)
+        else:
+            _flags[key] = value
+
+
+def get_flag(key, default=None):
+    with _flags_lock:
+        return _flags.get(key, default)
+
+
+class SimulateBackwardError(torch.autograd.Function):
+    """Identity whose backward raises while the flag ``("fail", key)`` is set."""
+
+    @staticmethod
+    def forward(ctx, x, key):
+        ctx.key = key
+        return x.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        if get_flag(("fail", ctx.key), False):
+            raise Exception("Simulate error on backward pass")
+        return grad, None
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps ``flag(("sleep", key))`` seconds."""
+
+    @staticmethod
+    def forward(ctx, x, key):
+        ctx.key = key
+        return x.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        time.sleep(get_flag(("sleep", ctx.key), 0.0))
+        return grad, None
+
+
+def current_context_id() -> int:
+    return dist_autograd._current_context()._context_id()
+
+
+def udf_with_backward_error(t1, t2):
+    """torch's ``_python_udf_with_backward_error``, keyed by the context it runs in."""
+    t3 = t1 + t2
+    t4 = SimulateBackwardError.apply(t3, current_context_id())
+    return t3 + t4
+
+
+def nested_udf_with_backward_error(t1, t2, dst):
+    """A -> B -> C: the error is raised in C's part of the graph."""
+    t3 = t1 * t2
+    t4 = rpc.rpc_sync(dst, udf_with_backward_error, (t3, t2))
+    return t4 * t1
+
+
+def udf_with_slow_backward(t1, t2):
+    return SlowBackward.apply(t1 * t2, current_context_id())

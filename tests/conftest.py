@@ -1,0 +1,207 @@
+"""Shared pytest setup: MPI failure handling and the RPC fixtures.
+
+How the suite runs (``tests/run_all.sh`` does all three):
+
+* ``python -m pytest tests``: serial tests only; ``mpi``-marked tests are skipped.
+* ``mpiexec -n N python -m mpi4py -m pytest --with-mpi tests`` (N = 2, 4): every rank
+  runs the same session. Under N > 1 only ``mpi``-marked tests are selected (the
+  serial ones already ran in the serial pass, and some start ``mpiexec`` themselves).
+
+Rules for ``mpi`` tests (pytest-mpi does not keep ranks in step for you):
+
+* Collection must be identical on every rank: no rank-dependent ``skipif`` or
+  parametrization. ``@pytest.mark.mpi(min_size=N)`` is fine (same on all ranks).
+* Collectives (``init_rpc``, ``shutdown``, barriers) must be unconditional.
+* A failed ``mpi`` test under N > 1 aborts the whole job at once (see
+  :func:`pytest_runtest_makereport`): otherwise the other ranks would hang or
+  pair their collectives with those of a different test.
+
+Fixtures:
+
+* ``mpi_comm`` (session): a duplicate of ``COMM_WORLD`` for test-level collectives.
+* ``rpc_session`` (session): ``rpc.init_rpc()`` once per process, ``rpc.shutdown()``
+  at session end. Worker names are the default ``worker{rank}``.
+* ``rpc_world`` (function): the session's :class:`RpcWorld`, with a barrier before
+  and after the test, so every test starts with the previous one finished on all
+  ranks. Use this one in RPC tests.
+* ``rpc_stopped`` (function): the shared agent is shut down for the test (tests of
+  ``init_rpc`` errors and of ``shutdown``) and started again afterwards; any agent
+  the test leaves running is shut down first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import pytest
+
+#: Polling period of :func:`polite_barrier`.
+_BARRIER_POLL_S = 0.0002
+
+
+def _testing_mpi(config: pytest.Config) -> bool:
+    return bool(config.getoption("--with-mpi", False) or config.getoption("--only-mpi", False))
+
+
+def _world_size() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_size()
+
+
+def polite_barrier(comm) -> None:
+    """``comm.Barrier()`` that sleeps instead of spinning.
+
+    MPICH spins inside blocking calls; with more ranks than cores (4 ranks on
+    2 cores here) a spinning barrier steals the CPU the slower ranks need.
+    """
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(_BARRIER_POLL_S)
+
+
+# ---------------------------------------------------------------------------
+# Hooks
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "job(name): the subprocess job a test checks "
+                                       "(tests/test_rpc_process.py)")
+    if _testing_mpi(config) and _world_size() > 1 and "PYTEST_DEBUG_TEMPROOT" not in os.environ:
+        # A temp root per rank: every rank of a session cleans up old
+        # `pytest-of-<user>/pytest-N` folders at start, and ranks sharing one
+        # root race on it ("rm_rf error removing ..." warnings). pytest-mpi's
+        # `mpi_tmp_path` still shares rank 0's folder.
+        from mpi4py import MPI
+
+        root = os.path.join(tempfile.gettempdir(), f"pytest-mpi-rank{MPI.COMM_WORLD.Get_rank()}")
+        os.makedirs(root, exist_ok=True)
+        os.environ["PYTEST_DEBUG_TEMPROOT"] = root
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``mpiexec -n N`` (N > 1) select only ``mpi`` tests.
+
+    Serial tests run in the plain ``pytest`` pass; running them on every rank
+    would only repeat them N times (and the ones that start ``mpiexec`` must
+    not run inside an MPI job). The same on every rank, so collection stays
+    identical.
+    """
+    if not _testing_mpi(config) or _world_size() == 1:
+        return
+    keep, drop = [], []
+    for item in items:
+        (keep if item.get_closest_marker("mpi") is not None else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Abort the MPI job when an ``mpi`` test fails on any rank (size > 1).
+
+    A failure on a subset of ranks desynchronises collectives: the others hang,
+    or silently pair their barrier with one from the next test and report false
+    passes. Aborting at once ends the job with the failure printed (stderr).
+    """
+    report = yield
+    if (report.failed and item.get_closest_marker("mpi") is not None
+            and _testing_mpi(item.config)):
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        if world.Get_size() > 1:
+            sys.stdout.flush()
+            sys.stderr.write(
+                f"\n===== rank {world.Get_rank()}/{world.Get_size()}: {item.nodeid} FAILED "
+                f"during {report.when}; aborting the MPI job =====\n{report.longreprtext}\n")
+            sys.stderr.flush()
+            world.Abort(1)
+    return report
+
+
+# ---------------------------------------------------------------------------
+# Fixtures
+
+
+@pytest.fixture(scope="session")
+def mpi_comm():
+    """A duplicate of ``MPI.COMM_WORLD`` for barriers and other test collectives."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()
+    yield comm
+    comm.Free()
+
+
+class RpcWorld:
+    """This process's place in the RPC world of the test session."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.name = f"worker{self.rank}"
+        self.names = [f"worker{r}" for r in range(self.size)]
+        self.running = False
+
+    def peer(self, distance: int = 1) -> str:
+        """The name of the worker ``distance`` ranks after this one (wraps around)."""
+        return self.names[(self.rank + distance) % self.size]
+
+    def peer_rank(self, distance: int = 1) -> int:
+        return (self.rank + distance) % self.size
+
+    def barrier(self) -> None:
+        polite_barrier(self.comm)
+
+    def start(self) -> None:
+        from lightning_distgrad import rpc
+
+        rpc.init_rpc()
+        self.running = True
+
+    def stop(self) -> None:
+        from lightning_distgrad import rpc
+
+        self.running = False
+        rpc.shutdown()
+
+
+@pytest.fixture(scope="session")
+def rpc_session(mpi_comm):
+    """``init_rpc()`` once per process for the whole session; ``shutdown()`` at its end."""
+    world = RpcWorld(mpi_comm)
+    world.start()
+    yield world
+    if world.running:
+        world.stop()
+
+
+@pytest.fixture
+def rpc_world(rpc_session):
+    """The running RPC world, with every rank in step at the start and end of the test."""
+    assert rpc_session.running, "the shared RPC agent is not running"
+    rpc_session.barrier()
+    yield rpc_session
+    rpc_session.barrier()
+
+
+@pytest.fixture
+def rpc_stopped(rpc_session):
+    """No RPC agent during the test; the shared one is started again afterwards."""
+    from lightning_distgrad import rpc
+    from lightning_distgrad.rpc import _core
+
+    rpc_session.barrier()
+    rpc_session.stop()
+    yield rpc_session
+    rpc_session.barrier()
+    if _core.current_agent() is not None:  # the test left its own agent running
+        rpc.shutdown()
+    rpc_session.start()
+    rpc_session.barrier()

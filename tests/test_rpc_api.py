@@ -1,0 +1,268 @@
+"""The RPC API on a running agent: destinations, calls, futures, nesting, timeouts.
+
+Every rank runs each test at the same time and calls its neighbours, so the
+agents serve and issue requests concurrently. Remote functions are module
+level: the callee imports them by name.
+"""
+
+from __future__ import annotations
+
+import builtins
+import threading
+
+import pytest
+import torch
+
+from lightning_distgrad import rpc
+from lightning_distgrad.rpc import WorkerInfo
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+# ---------------------------------------------------------------------------
+# Remote functions
+
+
+def add_kwargs(x, *, y=0, z=0):
+    return x + y + z
+
+
+def whoami():
+    return rpc.get_worker_info()
+
+
+def echo(obj):
+    return obj
+
+
+def nothing():
+    return None
+
+
+def rpc_back(to, x):
+    """Nested RPC: called remotely, makes its own RPC to ``to``."""
+    return rpc.rpc_sync(to, torch.add, (x, 1))
+
+
+def chain(path, x):
+    """Hop along ``path`` (a list of worker names) adding 1 per hop."""
+    if not path:
+        return x
+    return rpc.rpc_sync(path[0], chain, (path[1:], x + 1))
+
+
+def nested_remote(to, x):
+    """Creates an RRef on ``to`` from inside a remote function and fetches it."""
+    return rpc.remote(to, torch.mul, (x, 2)).to_here()
+
+
+@rpc.functions.async_execution
+def async_add(to, x, y):
+    return rpc.rpc_async(to, torch.add, (x, y)).then(lambda fut: fut.wait() + 1)
+
+
+@rpc.functions.async_execution
+def async_chain(first, second, x):
+    """Two nested async RPCs chained without tying up a worker thread."""
+    fut = rpc.rpc_async(first, torch.add, (x, 1))
+    return fut.then(lambda f: rpc.rpc_sync(second, torch.add, (f.wait(), 10)))
+
+
+@rpc.functions.async_execution
+def async_fanout(names, x):
+    futs = [rpc.rpc_async(n, torch.add, (x, 1)) for n in names]
+    return torch.futures.collect_all(futs).then(lambda f: sum(g.wait() for g in f.wait()))
+
+
+@rpc.functions.async_execution
+def async_not_a_future():
+    return 3
+
+
+class Counter:
+    """A class used remotely: constructor, methods and a static method."""
+
+    def __init__(self, start):
+        self.value = start
+
+    def add(self, n):
+        self.value += n
+        return self.value
+
+    @staticmethod
+    def double(x):
+        return 2 * x
+
+    @classmethod
+    def make(cls, start):
+        return cls(start)
+
+
+# ---------------------------------------------------------------------------
+# Worker identity
+
+
+def test_default_worker_names_and_ids_come_from_mpi(rpc_world):
+    me = rpc.get_worker_info()
+    assert me == WorkerInfo(f"worker{rpc_world.rank}", rpc_world.rank)
+    assert (me.name, me.id) == (rpc_world.name, rpc_world.rank)
+    for rank, name in enumerate(rpc_world.names):
+        info = rpc.get_worker_info(name)
+        assert (info.name, info.id) == (name, rank)
+
+
+def test_worker_info_equality_hash_and_repr():
+    a, b = WorkerInfo("worker1", 1), WorkerInfo("worker1", 1)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != WorkerInfo("worker1", 2) and a != WorkerInfo("worker2", 1)
+    assert repr(a) == "WorkerInfo(id=1, name=worker1)"
+
+
+def test_worker_info_round_trips_through_rpc(rpc_world):
+    peer = rpc.get_worker_info(rpc_world.peer())
+    assert rpc.rpc_sync(peer, whoami) == peer
+    mine = rpc.get_worker_info()
+    assert rpc.rpc_sync(peer, echo, (mine,)) == mine
+
+
+def test_destination_may_be_name_rank_or_worker_info(rpc_world):
+    peer_rank = rpc_world.peer_rank()
+    x = torch.arange(4.0)
+    for to in (rpc_world.peer(), peer_rank, rpc.get_worker_info(rpc_world.peer())):
+        assert torch.equal(rpc.rpc_sync(to, torch.add, (x, 1)), x + 1)
+        assert rpc.rpc_sync(to, whoami).id == peer_rank
+        assert torch.equal(rpc.rpc_async(to, torch.add, (x, 2)).wait(), x + 2)
+        assert torch.equal(rpc.remote(to, torch.add, (x, 3)).to_here(), x + 3)
+
+
+# ---------------------------------------------------------------------------
+# Calls
+
+
+def test_builtin_torch_op_runs_remotely(rpc_world):
+    a, b = torch.ones(2, 3), torch.full((2, 3), 2.0)
+    assert torch.equal(rpc.rpc_sync(rpc_world.peer(), torch.add, (a, b)), a + b)
+    assert torch.equal(rpc.rpc_sync(rpc_world.peer(), torch.add, (a, 3)), a + 3)
+    assert torch.equal(rpc.rpc_sync(rpc_world.peer(), torch.matmul, (a, b.t())), a @ b.t())
+    assert rpc.rpc_sync(rpc_world.peer(), torch.nonzero, (torch.tensor([0, 1, 0, 1]),)).tolist() \
+        == [[1], [3]]
+
+
+def test_python_builtin_and_user_function_with_kwargs(rpc_world):
+    assert rpc.rpc_sync(rpc_world.peer(), builtins.min, (4, 2, 7)) == 2
+    assert rpc.rpc_sync(rpc_world.peer(), add_kwargs, (1,), {"y": 2, "z": 3}) == 6
+    assert rpc.rpc_sync(rpc_world.peer(), add_kwargs, kwargs={"x": 1, "z": 5}) == 6
+
+
+def test_function_without_return_value_gives_none(rpc_world):
+    assert rpc.rpc_sync(rpc_world.peer(), nothing) is None
+    assert rpc.rpc_async(rpc_world.peer(), nothing).wait() is None
+
+
+def test_class_constructor_static_and_class_methods(rpc_world):
+    obj = rpc.rpc_sync(rpc_world.peer(), Counter, (5,))
+    assert isinstance(obj, Counter) and obj.value == 5
+    assert rpc.rpc_sync(rpc_world.peer(), Counter.double, (21,)) == 42
+    assert rpc.rpc_sync(rpc_world.peer(), Counter.make, (7,)).value == 7
+
+
+def test_rpc_async_returns_torch_future_with_working_then(rpc_world):
+    fut = rpc.rpc_async(rpc_world.peer(), torch.add, (torch.ones(2), 1))
+    assert isinstance(fut, torch.futures.Future)
+    chained = fut.then(lambda f: f.wait() * 10)
+    assert torch.equal(chained.wait(), torch.full((2,), 20.0))
+    assert torch.equal(fut.wait(), torch.full((2,), 2.0))  # waiting twice is fine
+    done = threading.Event()
+    fut.add_done_callback(lambda f: done.set())
+    assert done.wait(10)
+
+
+def test_many_rpc_async_collected_together(rpc_world):
+    futs = [rpc.rpc_async(rpc_world.names[i % rpc_world.size], torch.add, (torch.ones(3), i))
+            for i in range(50)]
+    results = torch.futures.wait_all(futs)
+    for i, r in enumerate(results):
+        assert torch.equal(r, torch.full((3,), 1.0 + i))
+
+
+def test_rpc_to_self(rpc_world):
+    me = rpc_world.name
+    x = torch.arange(3.0)
+    assert torch.equal(rpc.rpc_sync(me, torch.add, (x, 1)), x + 1)
+    assert torch.equal(rpc.rpc_sync(rpc_world.rank, torch.add, (x, 1)), x + 1)
+    assert rpc.rpc_sync(me, whoami) == rpc.get_worker_info()
+    assert torch.equal(rpc.rpc_async(me, torch.mul, (x, 2)).wait(), x * 2)
+    rref = rpc.remote(me, torch.mul, (x, 3))
+    assert rref.is_owner()
+    assert torch.equal(rref.to_here(), x * 3)
+    assert torch.equal(rref.local_value(), x * 3)
+
+
+# ---------------------------------------------------------------------------
+# Nesting
+
+
+def test_nested_rpc_from_inside_remote_function(rpc_world):
+    x = torch.ones(2)
+    # The peer calls back into this worker while this worker waits for it.
+    assert torch.equal(rpc.rpc_sync(rpc_world.peer(), rpc_back, (rpc_world.name, x)), x + 1)
+    third = rpc_world.peer(2)  # itself on 2 ranks
+    assert torch.equal(rpc.rpc_sync(rpc_world.peer(), rpc_back, (third, x)), x + 1)
+    assert torch.equal(rpc.rpc_sync(rpc_world.peer(), nested_remote, (third, x)), x * 2)
+
+
+def test_nested_rpc_chain_through_every_worker(rpc_world):
+    path = [rpc_world.peer(k) for k in range(1, 2 * rpc_world.size + 1)]
+    assert rpc.rpc_sync(path[0], chain, (path[1:], 0)) == len(path) - 1
+
+
+def test_async_execution_answers_when_its_future_completes(rpc_world):
+    x = torch.ones(2)
+    out = rpc.rpc_sync(rpc_world.peer(), async_add, (rpc_world.name, x, 2))
+    assert torch.equal(out, x + 3)
+    out = rpc.rpc_async(rpc_world.peer(), async_chain, (rpc_world.peer(2), rpc_world.name, x))
+    assert torch.equal(out.wait(), x + 11)
+    assert torch.equal(rpc.remote(rpc_world.peer(), async_add, (rpc_world.peer(2), x, 1))
+                       .to_here(), x + 2)
+    out = rpc.rpc_sync(rpc_world.peer(), async_fanout, (rpc_world.names, x))
+    assert torch.equal(out, (x + 1) * rpc_world.size)
+
+
+def test_async_execution_keeps_wrapped_function():
+    assert async_add._wrapped_async_rpc_function is not None
+    assert async_add.__name__ == "async_add"
+
+
+def test_async_execution_without_future_raises_type_error(rpc_world):
+    with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+        rpc.rpc_sync(rpc_world.peer(), async_not_a_future)
+    assert rpc.rpc_sync(rpc_world.peer(), builtins.max, (1, 2)) == 2
+
+
+# ---------------------------------------------------------------------------
+# Timeouts and re-initialisation
+
+
+def test_default_timeout_is_60s_and_settable(rpc_world):
+    assert rpc.get_rpc_timeout() == 60.0
+    try:
+        rpc._set_rpc_timeout(12.5)
+        assert rpc.get_rpc_timeout() == 12.5
+        assert rpc.rpc_sync(rpc_world.peer(), builtins.abs, (-3,)) == 3
+    finally:
+        rpc._set_rpc_timeout(60.0)
+    assert rpc.get_rpc_timeout() == 60.0
+
+
+def test_explicit_and_zero_timeouts_allow_quick_calls(rpc_world):
+    assert rpc.rpc_sync(rpc_world.peer(), builtins.abs, (-3,), timeout=0) == 3
+    assert rpc.rpc_async(rpc_world.peer(), builtins.abs, (-4,), timeout=5).wait() == 4
+    assert rpc.remote(rpc_world.peer(), builtins.abs, (-5,), timeout=0).to_here() == 5
+
+
+def test_second_init_rpc_raises_and_agent_keeps_working(rpc_world):
+    with pytest.raises(RuntimeError, match="RPC is already initialized"):
+        rpc.init_rpc()
+    with pytest.raises(RuntimeError, match="RPC is already initialized"):
+        rpc.init_rpc(name=rpc_world.name, rank=rpc_world.rank, world_size=rpc_world.size)
+    assert rpc.rpc_sync(rpc_world.peer(), builtins.abs, (-1,)) == 1

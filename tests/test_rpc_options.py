@@ -1,0 +1,70 @@
+"""Options, backend type and ``WorkerInfo``: plain objects, no MPI job needed."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from lightning_distgrad import rpc
+from lightning_distgrad.rpc import (
+    BackendType,
+    MPIRpcBackendOptions,
+    RpcBackendOptions,
+    TensorPipeRpcBackendOptions,
+    WorkerInfo,
+)
+
+
+def test_options_defaults():
+    options = MPIRpcBackendOptions()
+    assert options.rpc_timeout == 60.0
+    assert options.num_worker_threads == 16
+    assert options.comm is None
+    assert options.device_maps == {}
+
+
+def test_options_keyword_arguments():
+    sentinel = object()
+    options = MPIRpcBackendOptions(rpc_timeout=5, num_worker_threads=4, comm=sentinel,
+                                   device_maps={"worker1": {0: 1}}, init_method="env://")
+    assert options.rpc_timeout == 5.0 and isinstance(options.rpc_timeout, float)
+    assert options.num_worker_threads == 4
+    assert options.comm is sentinel
+    assert options.device_maps == {"worker1": {torch.device("cuda", 0): torch.device("cuda", 1)}}
+    with pytest.raises(TypeError):
+        MPIRpcBackendOptions(5)  # keyword-only, like torch's options
+
+
+def test_options_reject_zero_worker_threads():
+    with pytest.raises(ValueError, match="num_worker_threads"):
+        MPIRpcBackendOptions(num_worker_threads=0)
+
+
+def test_set_device_map_is_one_to_one():
+    options = MPIRpcBackendOptions()
+    options.set_device_map("worker1", {0: 1, "cuda:1": "cuda:0"})
+    assert options.device_maps["worker1"] == {
+        torch.device("cuda", 0): torch.device("cuda", 1),
+        torch.device("cuda", 1): torch.device("cuda", 0),
+    }
+    with pytest.raises(ValueError, match="only supports 1-to-1 mapping"):
+        options.set_device_map("worker1", {2: 1})
+
+
+def test_torch_names_are_aliases():
+    assert TensorPipeRpcBackendOptions is MPIRpcBackendOptions
+    assert RpcBackendOptions is MPIRpcBackendOptions
+    assert BackendType.TENSORPIPE is BackendType.MPI
+
+
+def test_worker_info_pickles_and_compares():
+    info = WorkerInfo("worker3", 3)
+    assert pickle.loads(pickle.dumps(info)) == info
+    assert {info: 1}[WorkerInfo("worker3", 3)] == 1
+    assert (info.name, info.id) == ("worker3", 3)
+
+
+def test_unset_timeout_sentinel_matches_torch():
+    assert rpc.UNSET_RPC_TIMEOUT == -1.0

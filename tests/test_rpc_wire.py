@@ -1,0 +1,50 @@
+"""The wire format's pieces on their own (serial): tensor metadata and the receive-buffer pool."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+
+from lightning_distgrad.rpc._wire import ReceiveBufferPool, allocate_tensor, prepare_tensor
+
+MIB = 1 << 20
+
+
+def _received(pool: ReceiveBufferPool, n: int) -> torch.Tensor:
+    meta, _ = prepare_tensor(torch.zeros(n // 4))
+    return allocate_tensor(meta, pool)
+
+
+def test_inline_tensors_round_trip_through_pickle_as_writable_tensors():
+    for t in (torch.arange(5, dtype=torch.float64), torch.tensor(True), torch.zeros(0, 3),
+              torch.arange(6).view(2, 3).t()):  # non-contiguous
+        meta, buffer = prepare_tensor(t)
+        assert buffer is None
+        back = allocate_tensor(pickle.loads(pickle.dumps(meta, 5)))
+        assert torch.equal(back, t)
+        back.zero_() if back.dtype != torch.bool else back.logical_not_()  # writable
+
+
+def test_pool_reuses_a_buffer_only_when_no_tensor_uses_it():
+    pool = ReceiveBufferPool(min_bytes=MIB, max_bytes=64 * MIB)
+    a = _received(pool, 2 * MIB)
+    b = _received(pool, 2 * MIB)
+    b_ptr = b.data_ptr()
+    assert a.data_ptr() != b_ptr
+    view = b[10:20]
+    del b
+    c = _received(pool, 2 * MIB)  # b's buffer is still used by the view
+    assert c.data_ptr() not in (a.data_ptr(), b_ptr)
+    del view
+    d = _received(pool, 2 * MIB)  # now it is free
+    assert d.data_ptr() == b_ptr and pool.pooled_bytes == 6 * MIB
+
+
+def test_pool_stays_within_its_budget():
+    pool = ReceiveBufferPool(min_bytes=MIB, max_bytes=4 * MIB)
+    kept = [_received(pool, 2 * MIB) for _ in range(4)]
+    assert pool.pooled_bytes == 4 * MIB
+    assert len({t.data_ptr() for t in kept}) == 4
+    small = _received(pool, MIB // 2)  # under min_bytes: never pooled
+    assert small.numel() == MIB // 8 and pool.pooled_bytes == 4 * MIB

@@ -1,0 +1,145 @@
+"""Submit slurm/cpu_example.sbatch to a real Slurm and check the MPI job ran.
+
+Plain pytest (not under MPI). Skips unless `sbatch` is on PATH and a Slurm
+controller answers `sinfo`. For a throwaway single-node cluster on this machine:
+
+    apt-get install -y slurm-wlm munge
+    slurm/local/start_local_cluster.sh      # as root; stop_local_cluster.sh after
+
+Environment:
+    SLURM_TEST_TIMEOUT  seconds one job may take, queueing included (default 300)
+    SLURM_TEST_OUTDIR   where job output goes; must be visible from the compute
+                        node (default: pytest's tmp_path, fine for one node)
+    SLURM_TEST_SBATCH_ARGS  extra sbatch options, e.g. "--partition=debug --account=x"
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "slurm" / "cpu_example.sbatch"
+# The MPI program the batch script runs (its EXAMPLE variable) and what rank 0
+# must print: 2 ranks each contribute rank+1 to an allreduce, so sum = 1 + 2.
+EXAMPLE = "tests/slurm_job_check.py"
+NTASKS = 2
+EXPECTED = re.compile(r"SLURM_CHECK world=(\d+) sum=(\d+)")
+
+TIMEOUT = float(os.environ.get("SLURM_TEST_TIMEOUT", "300"))
+
+
+def _slurm_unavailable() -> str | None:
+    """Why Slurm cannot be used here, or None if it can."""
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        return "sbatch/sinfo not on PATH (no Slurm client installed)"
+    try:
+        # sinfo fails when there is no slurm.conf or no controller answers;
+        # the timeout covers a controller that accepts but never replies.
+        res = subprocess.run(
+            ["sinfo", "-h", "-o", "%P %a %T %D"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer within 30 s"
+    if res.returncode != 0:
+        msg = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"no Slurm controller answers (sinfo exit {res.returncode}: {msg})"
+    if not res.stdout.strip():
+        return "Slurm answers but has no partitions"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _require_slurm():
+    # A fixture, not a collection-time skipif: sinfo runs only when these
+    # tests are selected.
+    reason = _slurm_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _job_env(**extra: str) -> dict[str, str]:
+    """Environment for sbatch (exported to the job by --export=ALL)."""
+    # Drop launcher state in case pytest itself runs under mpiexec or inside a
+    # Slurm job: stale PMI_*/SLURM_* values would confuse the job's own srun.
+    stale = ("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL", "OMPI_COMM_WORLD", "SLURM_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(stale) or k == "SLURM_CONF"}
+    # Run the job with this interpreter: the batch script activates $VENV when
+    # it has bin/activate, and PATH covers a non-venv interpreter too.
+    env["VENV"] = sys.prefix
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["EXAMPLE"] = EXAMPLE
+    env.update(extra)
+    return env
+
+
+def _submit(tmp_path: Path, **extra_env: str) -> tuple[int, str]:
+    """sbatch --wait the CPU script; return (job exit code, job output).
+
+    Never hangs: on timeout the sbatch client is killed and the job cancelled
+    by its unique name (sbatch --wait prints the job id only at the end).
+    """
+    outdir = Path(os.environ.get("SLURM_TEST_OUTDIR", tmp_path))
+    outdir.mkdir(parents=True, exist_ok=True)
+    name = f"ldg-slurm-check-{uuid.uuid4().hex[:8]}"
+    outfile = outdir / f"{name}.out"
+    cmd = [
+        "sbatch",
+        "--wait",
+        f"--job-name={name}",
+        f"--output={outfile}",
+        f"--chdir={REPO}",
+        "--nodes=1",
+        f"--ntasks={NTASKS}",
+        "--cpus-per-task=1",
+        "--time=10",
+        "--export=ALL",
+        *shlex.split(os.environ.get("SLURM_TEST_SBATCH_ARGS", "")),
+        str(SCRIPT),
+    ]
+    try:
+        res = subprocess.run(
+            cmd, env=_job_env(**extra_env), capture_output=True, text=True, timeout=TIMEOUT
+        )
+    except subprocess.TimeoutExpired:
+        # run() already killed sbatch; the job itself lives on in Slurm.
+        subprocess.run(["scancel", f"--name={name}"], capture_output=True, timeout=60)
+        out = outfile.read_text() if outfile.exists() else "(no output file)"
+        pytest.fail(f"job {name} did not finish within {TIMEOUT:.0f} s; cancelled.\n{out}")
+    out = outfile.read_text() if outfile.exists() else ""
+    if not out:
+        # A job that never ran: sbatch's own complaint is the useful part.
+        out = f"(no job output)\nsbatch stdout: {res.stdout}\nsbatch stderr: {res.stderr}"
+    return res.returncode, out
+
+
+def test_cpu_example_runs_two_rank_mpi_job(tmp_path):
+    rc, out = _submit(tmp_path)
+    assert rc == 0, f"job exit code {rc}\n{out}"
+    m = EXPECTED.search(out)
+    assert m, f"no 'SLURM_CHECK world=.. sum=..' line in job output\n{out}"
+    world, total = int(m.group(1)), int(m.group(2))
+    # world=1 would mean each rank came up as a singleton (PMI not wired up).
+    assert world == NTASKS, out
+    assert total == NTASKS * (NTASKS + 1) // 2, out
+    # Both ranks ran (and as separate Slurm tasks when launched by srun).
+    assert len(re.findall(r"^rank \d+/2 ", out, re.M)) == NTASKS, out
+
+
+def test_failing_rank_aborts_job(tmp_path):
+    # An exception on one rank must end the job with an error, not leave the
+    # other rank blocked in a collective until the time limit.
+    rc, out = _submit(tmp_path, SLURM_CHECK_FAIL_RANK="1")
+    assert rc != 0, f"job succeeded although rank 1 raised\n{out}"
+    assert "SLURM_CHECK_FAIL_RANK" in out, out
