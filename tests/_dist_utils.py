@@ -81,13 +81,18 @@ def assert_contexts_released(world, context_ids: Sequence[int],
     assert ok, f"rank {world.rank} still holds contexts {left} {timeout} s after their release"
 
 
-def wait_for_no_contexts(world, timeout: float = SETTLE_TIMEOUT_S) -> None:
-    """Every rank waits (bounded) until it holds no context at all; a collective."""
+def wait_for_no_contexts(world, timeout: float = SETTLE_TIMEOUT_S) -> dict[str, int]:
+    """Every rank waits (bounded) until it holds no context at all; a collective.
+
+    Returns this rank's debug info as taken before the closing barrier: after
+    it, a faster rank may already have sent this one a request in a context.
+    """
     world.barrier()
     ok = wait_until(lambda: debug_info()["num_autograd_contexts"] == 0, timeout)
     info = debug_info()
     world.barrier()
     assert ok, f"rank {world.rank}: contexts left {timeout} s after the last release: {info}"
+    return info
 
 
 def rss_bytes() -> int:

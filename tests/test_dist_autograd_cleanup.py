@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from _dist_utils import debug_info, exchange, rss_bytes, wait_for_no_contexts
+from _dist_utils import exchange, rss_bytes, wait_for_no_contexts
 
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
@@ -90,8 +90,8 @@ def test_training_iterations_release_every_context(rpc_world):
     ids: list[int] = []
     _train(world, 100, ids)
     assert len(set(ids)) == 100 and all(i >> 48 == world.rank for i in ids)
-    wait_for_no_contexts(world)
-    assert debug_info() == {"num_current_backward_passes": 0, "num_autograd_contexts": 0}
+    assert wait_for_no_contexts(world) == {"num_current_backward_passes": 0,
+                                           "num_autograd_contexts": 0}
     _teardown(world)
 
 
@@ -114,8 +114,8 @@ def test_many_training_iterations_memory_is_flat(rpc_world):
     elapsed = time.monotonic() - start
     assert len(set(ids)) == ITERATIONS
 
-    wait_for_no_contexts(world)
-    assert debug_info() == {"num_current_backward_passes": 0, "num_autograd_contexts": 0}
+    assert wait_for_no_contexts(world) == {"num_current_backward_passes": 0,
+                                           "num_autograd_contexts": 0}
     gc.collect()
     growth = rss_bytes() - rss_warm
     everyone = exchange(world, (growth, elapsed))

@@ -125,8 +125,7 @@ def test_release_of_a_context_owned_by_another_thread(rpc_world):
 
 
 def test_debug_info_keys_and_counts(rpc_world):
-    wait_for_no_contexts(rpc_world)
-    info = dist_autograd._get_debug_info()
+    info = wait_for_no_contexts(rpc_world)
     assert set(info) == {"num_current_backward_passes", "num_autograd_contexts"}
     assert info == {"num_current_backward_passes": 0, "num_autograd_contexts": 0}
     t1 = torch.rand(3, 3, requires_grad=True)

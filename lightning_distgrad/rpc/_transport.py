@@ -20,7 +20,6 @@ import collections
 import contextlib
 import heapq
 import os
-import sys
 import threading
 import time
 import traceback
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ._abort import abort_mpi_job
 from ._wire import (
     Frame,
     ReceiveBufferPool,
@@ -291,10 +291,8 @@ class Transport:
             # A dead progress thread would leave every rank waiting forever:
             # fail-stop instead, with the cause on stderr.
             traceback.print_exc()
-            sys.stderr.write(f"lightning_distgrad: RPC progress thread failed on rank "
-                             f"{self.rank}; aborting the MPI job.\n")
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
+            abort_mpi_job(f"lightning_distgrad: RPC progress thread failed on rank "
+                          f"{self.rank}; aborting the MPI job.\n")
 
     def _progress_forever(self) -> None:
         backoff = _Backoff(self._wake)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import threading
@@ -14,6 +13,7 @@ from mpi4py import MPI
 
 from . import _core, _hooks
 from . import rref as _rref
+from ._abort import abort_mpi_job
 from ._agent import Agent, WorkerInfo
 from ._core import UNSET_RPC_TIMEOUT
 from .options import BackendType, MPIRpcBackendOptions
@@ -142,14 +142,8 @@ def _install_exit_hooks(size: int) -> None:
             if issubclass(exc_type, SystemExit):
                 return
             rank = MPI.COMM_WORLD.Get_rank()
-            sys.stderr.write(f"lightning_distgrad: uncaught {exc_type.__name__} on rank {rank}; "
-                             "aborting the MPI job so the other ranks do not wait forever.\n")
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
-            # MPICH's MPI_Abort can return before the process manager kills
-            # this rank; Python would then run the exit hook, whose graceful
-            # shutdown lets the other ranks finish as if nothing failed.
-            os._exit(1)
+            abort_mpi_job(f"lightning_distgrad: uncaught {exc_type.__name__} on rank {rank}; "
+                          "aborting the MPI job so the other ranks do not wait forever.\n")
 
         sys.excepthook = abort_job
 
