@@ -29,6 +29,10 @@ INLINE_LIMIT = 64 * 1024
 POOL_MIN_BYTES = 1 << 20
 #: At most this many bytes of pooled receive buffers, in use or free.
 POOL_MAX_BYTES = 512 << 20
+#: Pooled receive buffers start on a page boundary: MPICH's single-copy (CMA)
+#: path filled numpy's default buffers (16 bytes past a page boundary) up to 4x
+#: slower than aligned ones when the sender's tensor was page-aligned.
+BUFFER_ALIGN = 4096
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 _local = threading.local()
@@ -189,11 +193,18 @@ class ReceiveBufferPool:
             # References: the list, ``buf`` and getrefcount's argument.
             if sys.getrefcount(buf) == 3:
                 return buf
-        buf = np.empty(nbytes, dtype=np.uint8)  # numpy madvises huge pages
+        buf = _aligned_empty(nbytes)
         if self.pooled_bytes + nbytes <= self.max_bytes:
             buffers.append(buf)
             self.pooled_bytes += nbytes
         return buf
+
+
+def _aligned_empty(nbytes: int, align: int = BUFFER_ALIGN) -> np.ndarray:
+    """An uninitialised uint8 array whose data starts at a multiple of ``align``."""
+    raw = np.empty(nbytes + align, dtype=np.uint8)  # numpy madvises huge pages
+    start = -raw.ctypes.data % align
+    return raw[start:start + nbytes]
 
 
 def allocate_tensor(meta: tuple, pool: ReceiveBufferPool | None = None) -> torch.Tensor:
