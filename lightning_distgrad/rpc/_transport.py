@@ -6,7 +6,7 @@ polls for incoming frames, and a thread waiting for an RPC result polls in its
 place. Nobody parks inside a blocking MPI call (MPICH spins there, costing a
 whole core): the poller uses ``Improbe``/``Testall`` and, when idle, first
 yields for a short hot window, then sleeps with an exponential backoff capped
-at 1-2 ms (mpi4py.futures style).
+at 1-4 ms (mpi4py.futures style).
 
 Communicators (all duplicates of the user's, so no one else's traffic can
 match ours): ``ctrl`` carries frames (probed with ANY_SOURCE), ``data`` carries
@@ -46,10 +46,10 @@ CHUNK_BYTES = 1 << 30
 HOT_WINDOW_S = 0.002
 BACKOFF_MAX_S = 0.001
 BACKOFF_MIN_S = BACKOFF_MAX_S / 64
-# After this long without traffic the cap doubles: each wake-up costs ~50 us of
-# CPU on a small VM, and an idle agent must stay near zero CPU.
-DEEP_IDLE_AFTER_S = 0.05
-DEEP_IDLE_MAX_S = 0.002
+# Without traffic the cap grows: each wake-up costs 50-100 us of CPU on a small
+# VM, and an idle agent must stay near zero CPU. (idle for at least, cap) pairs;
+# only the first message after a long quiet spell waits for the longer naps.
+IDLE_CAPS = ((0.05, 0.002), (0.5, 0.004))
 # A sender waits at most this long for the MPI lock, then hands off (see send).
 SEND_LOCK_WAIT_S = 0.001
 
@@ -105,7 +105,10 @@ class _Backoff:
 
     def sleep(self, idle_for: float) -> None:
         self._wakeup.sleep(self._delay)
-        cap = DEEP_IDLE_MAX_S if idle_for > DEEP_IDLE_AFTER_S else BACKOFF_MAX_S
+        cap = BACKOFF_MAX_S
+        for after, longer_cap in IDLE_CAPS:
+            if idle_for > after:
+                cap = longer_cap
         self._delay = min(cap, self._delay * 2)
 
 
