@@ -310,11 +310,11 @@ class Session:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:  # the others would wait for this rank forever
+            from lightning_distgrad.rpc._abort import abort_mpi_job
+
             traceback.print_exception(exc_type, exc, tb)
-            sys.stderr.write(f"bench_hybrid: {self.backend} failed on rank {self.rank}; "
-                             "aborting the job\n")
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
+            abort_mpi_job(f"bench_hybrid: {self.backend} failed on rank {self.rank}; "
+                          "aborting the job\n")
         # Every rank waits here (sleeping) until the master is done: torch's graceful shutdown
         # gives up after its store timeout if others are still busy.
         polite_barrier(self.comm)

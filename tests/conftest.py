@@ -32,7 +32,6 @@ Fixtures:
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 
@@ -113,14 +112,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             and _testing_mpi(item.config)):
         from mpi4py import MPI
 
+        from lightning_distgrad.rpc._abort import abort_mpi_job
+
         world = MPI.COMM_WORLD
         if world.Get_size() > 1:
-            sys.stdout.flush()
-            sys.stderr.write(
+            # Waits until mpiexec has read the failure text before the abort kills every rank.
+            abort_mpi_job(
                 f"\n===== rank {world.Get_rank()}/{world.Get_size()}: {item.nodeid} FAILED "
                 f"during {report.when}; aborting the MPI job =====\n{report.longreprtext}\n")
-            sys.stderr.flush()
-            world.Abort(1)
     return report
 
 
