@@ -5,7 +5,7 @@ every send function of the context (FAST mode: all sends take part). The
 engine's own work is bookkeeping: dependency counts across the points where
 gradients enter (the roots, send functions whose peer shipped gradients) and
 leave (recv functions, leaves). The node-level work runs in PyTorch's native
-engine: each *region* is one ``torch.autograd.grad`` call that starts at
+engine: each *region* is one native ``torch.autograd.grad`` call that starts at
 ``GradientEdge``\\ s and stops at recv functions, leaves, and nodes that still
 wait for gradients from elsewhere. A node therefore runs once, with its summed
 gradient, however many regions feed it.
@@ -26,7 +26,7 @@ import threading
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
 
 from ..rpc import _core
 from ..rpc._agent import set_error
@@ -53,6 +53,20 @@ def init_container(worker_id: int) -> None:
 
 def _is_leaf_node(node: Any) -> bool:
     return hasattr(node, "variable")
+
+
+def _native_grad(outputs: list, inputs: list, grad_outputs: list,
+                 retain_graph: bool) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(..., allow_unused=True)`` without its Python-side checks.
+
+    The engine call behind ``torch.autograd.grad``: on small graphs the checks
+    (``_make_grads``, argument normalisation) took twice as long as the native
+    pass itself (85-170 vs 30-45 us for a 3x3 region here). They add nothing
+    for gradients built by this engine, and the native engine still validates
+    every gradient's shape against the node it enters.
+    """
+    return _engine_run_backward(tuple(outputs), tuple(grad_outputs), retain_graph, False,
+                                tuple(inputs), True, False)
 
 
 # ---------------------------------------------------------------------------
@@ -237,9 +251,8 @@ class _Pass:
                 outputs.append(GradientEdge(node, nr))
                 grad_outputs.append(grad)
         self._hold_hooks_of_partial_leaves(captured_nodes, rem)
-        grads = torch.autograd.grad(
-            outputs, [GradientEdge(c, nr) for c, nr in capture], grad_outputs,
-            retain_graph=self.retain_graph, allow_unused=True)
+        grads = _native_grad(outputs, [GradientEdge(c, nr) for c, nr in capture],
+                             grad_outputs, self.retain_graph)
         if not self.retain_graph:
             with self.ctx.lock:
                 self.ctx.consumed_sends.update(self.send_ids[n] for n in run
@@ -423,9 +436,8 @@ def _local_backward(ctx: DistAutogradContext, roots: list[torch.Tensor],
     if not leaves:
         return False
     try:
-        grads = torch.autograd.grad(roots, [GradientEdge(n, 0) for n in leaves],
-                                    [torch.ones_like(r) for r in roots],
-                                    retain_graph=retain_graph, allow_unused=True)
+        grads = _native_grad(roots, [GradientEdge(n, 0) for n in leaves],
+                             [torch.ones_like(r) for r in roots], retain_graph)
     except Exception as e:
         raise _wrap_error(container().worker_id, e) from None
     ctx.accumulate([(n.variable, g) for n, g in zip(leaves, grads, strict=True)
