@@ -21,7 +21,10 @@ What is measured, per round and backend (rounds interleave backends: mpi, ours, 
 
 1. init time;
 2. round-trip time of ``rpc_sync("worker1", torch.add, (t, 1))`` (raw MPI: send ``t``, receive it
-   back) for float32 tensors of 8 B .. 64 MiB, after a warm-up; per-size median;
+   back) for float32 tensors of 8 B .. 64 MiB, after a warm-up; per-size median; at the largest
+   size also ``rpc_sync("worker1", echo, (t,))`` (``echo`` returns its argument): the tensor's
+   plain round trip, what raw MPI does (the add of 64 MiB alone costs about as much as both
+   copies, page faults of its fresh result included);
 3. idle CPU: agent initialised, both main threads sleep 2 s, ``time.process_time()`` delta / wall;
 4. compute slowdown: right after (3), a single-threaded compute block (256x256 ``torch.mm`` and
    a pure-Python loop, ``torch.set_num_threads(1)``) on both ranks with the agent idle (ON),
@@ -123,6 +126,11 @@ def size_label(nbytes: int) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def echo(t: torch.Tensor) -> torch.Tensor:
+    """The remote end of a plain tensor round trip (runs on rank 1, found there by name)."""
+    return t
+
+
 class Backend:
     """One transport under test. Rank 0 calls ``roundtrip`` in a timed loop while rank 1 is in
     ``serve``; both ranks call ``init``/``shutdown`` together."""
@@ -151,6 +159,10 @@ class Backend:
 
     def roundtrip(self, t: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def echo(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t`` sent and returned unchanged; None if ``roundtrip`` already is that."""
+        return None
 
     def expected(self, t: torch.Tensor) -> torch.Tensor:
         return t + 1
@@ -220,6 +232,9 @@ class RpcBackend(Backend):
 
     def roundtrip(self, t: torch.Tensor) -> torch.Tensor:
         return self.rpc.rpc_sync(self.peer_name, torch.add, (t, 1))
+
+    def echo(self, t: torch.Tensor) -> torch.Tensor:
+        return self.rpc.rpc_sync(self.peer_name, echo, (t,))
 
     def shutdown(self) -> None:
         self.rpc.shutdown()
@@ -291,7 +306,26 @@ def time_sizes(backend: Backend, plan: list[tuple[int, int, int]]) -> dict[int, 
             backend.roundtrip(t)
             samples.append(time.perf_counter() - t0)
         out[nbytes] = summarize(samples)
+    out["echo"] = time_echo(backend, t, iters)
     return out
+
+
+def time_echo(backend: Backend, t: torch.Tensor, iters: int) -> dict | None:
+    """Rank 0: RTT statistics of ``backend.echo(t)``; None if the backend has no echo."""
+    result = backend.echo(t)
+    if result is None:
+        return None
+    if not torch.equal(result, t):
+        raise RuntimeError(f"{backend.name}: echo returned a different tensor")
+    del result
+    backend.echo(t)  # warm-up
+    gc.collect()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        backend.echo(t)
+        samples.append(time.perf_counter() - t0)
+    return summarize(samples)
 
 
 class Compute:
@@ -408,7 +442,8 @@ def print_step(step: dict, name: str, sizes: list[int], t_start: float, again: b
     print(
         f"{head} init {fmt_time(step['init_s'])}, "
         f"{size_label(sizes[0])} {fmt_time(r[sizes[0]]['median'])}, "
-        f"{size_label(sizes[-1])} {fmt_time(r[sizes[-1]]['median'])}, "
+        f"{size_label(sizes[-1])} {fmt_time(r[sizes[-1]]['median'])}"
+        + (f" (echo {fmt_time(r['echo']['median'])})" if r.get("echo") else "") + ", "
         f"idle CPU {step['idle_cpu']:.2f}, shutdown {fmt_time(step['shutdown_s'])}, "
         + load_note(step, again, t_start),
         flush=True,
@@ -439,6 +474,10 @@ def aggregate(steps0: list[dict], steps1: list[dict], names, sizes):
                     "per_round": per_round,
                 }
         b["rtt"] = rtt
+        # The plain tensor round trip at the largest size (raw MPI's round trip is one).
+        echoes = [(steps0[i]["rtt"].get("echo") or steps0[i]["rtt"][sizes[-1]])["median"]
+                  for i in ok if sizes[-1] in steps0[i]["rtt"]]
+        b["echo"] = med(echoes) if echoes else None
         b["init_s"] = med([steps0[i]["init_s"] for i in ok])
         b["shutdown_s"] = med([steps0[i]["shutdown_s"] for i in ok])
         for rank, steps in ((0, steps0), (1, steps1)):
@@ -487,6 +526,14 @@ def print_report(summary: dict, names: list[str], sizes: list[int], skipped: dic
         row = f"{size_label(n):>8} " + "".join(f"{fmt_time(rtt(c, n)):>13}" for c in cols)
         row += f"{ratio(rtt('ours', n), rtt('tp', n)):>9}{ratio(rtt('ours', n), rtt('mpi', n)):>10}"
         p(row)
+    echo = {c: summary[c].get("echo") if have[c] else None for c in cols}
+    row = f"{size_label(sizes[-1]) + ' echo':>8} "
+    row += "".join(f"{fmt_time(echo[c]):>13}" for c in cols)
+    row += f"{ratio(echo.get('ours'), echo.get('tp')):>9}"
+    row += f"{ratio(echo.get('ours'), echo.get('mpi')):>10}"
+    p(row)
+    p("  (echo: rpc_sync(echo, (t,)) returns t unchanged, the tensor's plain round trip;"
+      " raw MPI's row above is one)")
     for name, why in skipped.items():
         p(f"  [{name} skipped: {why}]")
     p("")
@@ -530,12 +577,16 @@ def print_report(summary: dict, names: list[str], sizes: list[int], skipped: dic
     check(
         f"{size_label(tiny)} RTT ours/TP", r[0] / r[1] if None not in r else None, TARGET_TINY_VS_TP
     )
-    r = rtt("ours", big), rtt("mpi", big)
+    r = echo.get("ours"), echo.get("mpi")
     check(
-        f"{size_label(big)} RTT ours/raw MPI",
+        f"{size_label(big)} tensor round trip (echo) ours/raw MPI",
         r[0] / r[1] if None not in r else None,
         TARGET_BIG_VS_MPI,
     )
+    r = rtt("ours", big), rtt("mpi", big)
+    if None not in r:
+        p(f"  info  {size_label(big)} RTT with the remote torch.add ours/raw MPI = "
+          f"{r[0] / r[1]:.3f} (raw MPI only echoes)")
     idle = None
     if have.get("ours"):
         idle = max(summary["ours"]["idle_cpu_rank0"], summary["ours"]["idle_cpu_rank1"])
