@@ -9,8 +9,7 @@ on this worker.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -223,16 +222,14 @@ class _AutogradHooks(_hooks.AutogradHooks):
             return None  # released already: run without recording
         return meta[0]
 
-    @contextlib.contextmanager
-    def running_in(self, ctx_id: int | None) -> Iterator[None]:
+    def call_in(self, ctx_id: int | None, fn: Callable[..., Any], *args: Any) -> Any:
         cont = _engine._container
-        if cont is None:
-            yield
-            return
-        previous = cont.current_id()
+        previous = cont.current_id() if cont is not None else ctx_id
+        if previous == ctx_id:  # nothing to switch (the usual case off a user thread)
+            return fn(*args)
         cont.set_current_id(ctx_id)
         try:
-            yield
+            return fn(*args)
         finally:
             cont.set_current_id(previous)
 

@@ -120,6 +120,21 @@ def set_error(future: torch.futures.Future, exc: BaseException) -> None:
     future.set_result(exc)
 
 
+def _decode_and_call(payload: bytes, tensors: list) -> tuple[Callable, Any]:
+    """Run a request's function; returns (function, result).
+
+    Grad mode is thread-local: a request runs with it on, as on a fresh server
+    thread, whichever thread handed its frame over (a caller's thread inside
+    ``torch.no_grad()``, say) and whatever an earlier function on this pool
+    thread left behind.
+    """
+    if not torch.is_grad_enabled():
+        with torch.enable_grad():
+            return _decode_and_call(payload, tensors)
+    func, args, kwargs = decode_payload(payload, tensors)
+    return func, func(*args, **kwargs)
+
+
 class _Pending:
     __slots__ = ("future", "dst", "user_visible", "deadline", "timeout")
 
@@ -311,13 +326,7 @@ class Agent:
         func = None
         try:
             tensors = hooks.incoming(frame.autograd, source, tensors)
-            # Grad mode is thread-local: a request runs with it on, as on a fresh
-            # server thread, whichever thread handed its frame over (a caller's
-            # thread inside torch.no_grad(), say) and whatever an earlier function
-            # on this pool thread left behind.
-            with hooks.running_in(ctx_id), torch.enable_grad():
-                func, args, kwargs = decode_payload(frame.payload, tensors)
-                result = func(*args, **kwargs)
+            func, result = hooks.call_in(ctx_id, _decode_and_call, frame.payload, tensors)
         except BaseException as e:
             self._reply_error(source, frame.call_id, e)
             return

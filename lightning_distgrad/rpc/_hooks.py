@@ -8,8 +8,7 @@ contexts.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,10 +43,9 @@ class AutogradHooks:
         """The autograd context id carried by ``meta`` (None if none)."""
         return None
 
-    @contextlib.contextmanager
-    def running_in(self, ctx_id: int | None) -> Iterator[None]:
-        """Make ``ctx_id`` the current context of this thread while a request runs."""
-        yield
+    def call_in(self, ctx_id: int | None, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` (a request) with ``ctx_id`` as this thread's current context."""
+        return fn(*args)
 
     def on_control(self, src_id: int, body: Any) -> None:
         """Apply a CONTROL frame ``(AUTOGRAD_CONTROL, *body)`` from ``src_id`` (in order)."""

@@ -197,7 +197,7 @@ class Transport:
             metas.append(meta)
             if data is not None:
                 buffers.append(data)
-        item = (dst, frame._replace(metas=tuple(metas)).dumps(), buffers)
+        item = (dst, frame.dumps(tuple(metas)), buffers)
         # The wait for the lock is bounded: the holder may be running queued
         # callables (collectives, timers), and a hand-off is cheaper than a
         # stall behind them.

@@ -51,8 +51,11 @@ class Frame(NamedTuple):
     # RRef forks the receiver registers on arrival, before later frames run.
     forks: tuple = ()
 
-    def dumps(self) -> bytes:
-        return pickle.dumps(tuple(self), _PROTOCOL)
+    def dumps(self, metas: tuple | None = None) -> bytes:
+        """The frame's bytes; ``metas`` replaces the tensor table's metadata if given."""
+        return pickle.dumps((self.kind, self.call_id, self.payload,
+                             self.metas if metas is None else metas, self.autograd, self.forks),
+                            _PROTOCOL)
 
     @classmethod
     def loads(cls, raw: bytes | bytearray) -> Frame:
