@@ -24,7 +24,9 @@ What is measured, per round and backend (rounds interleave backends: mpi, ours, 
    back) for float32 tensors of 8 B .. 64 MiB, after a warm-up; per-size median; at the largest
    size also ``rpc_sync("worker1", echo, (t,))`` (``echo`` returns its argument): the tensor's
    plain round trip, what raw MPI does (the add of 64 MiB alone costs about as much as both
-   copies, page faults of its fresh result included);
+   copies, page faults of its fresh result included); and ``rpc_async(...).wait()`` of the 8 B
+   add after 20 ms without traffic (an idle agent naps, so the first call after a quiet spell
+   pays for waking it);
 3. idle CPU: agent initialised, both main threads sleep 2 s, ``time.process_time()`` delta / wall;
 4. compute slowdown: right after (3), a single-threaded compute block (256x256 ``torch.mm`` and
    a pure-Python loop, ``torch.set_num_threads(1)``) on both ranks with the agent idle (ON),
@@ -164,6 +166,10 @@ class Backend:
         """``t`` sent and returned unchanged; None if ``roundtrip`` already is that."""
         return None
 
+    def async_roundtrip(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``roundtrip`` through ``rpc_async(...).wait()``; None if not an RPC backend."""
+        return None
+
     def expected(self, t: torch.Tensor) -> torch.Tensor:
         return t + 1
 
@@ -236,6 +242,9 @@ class RpcBackend(Backend):
     def echo(self, t: torch.Tensor) -> torch.Tensor:
         return self.rpc.rpc_sync(self.peer_name, echo, (t,))
 
+    def async_roundtrip(self, t: torch.Tensor) -> torch.Tensor:
+        return self.rpc.rpc_async(self.peer_name, torch.add, (t, 1)).wait()
+
     def shutdown(self) -> None:
         self.rpc.shutdown()
 
@@ -307,7 +316,24 @@ def time_sizes(backend: Backend, plan: list[tuple[int, int, int]]) -> dict[int, 
             samples.append(time.perf_counter() - t0)
         out[nbytes] = summarize(samples)
     out["echo"] = time_echo(backend, t, iters)
+    out["after_quiet"] = time_after_quiet(backend, torch.ones(plan[0][0] // 4), iters)
     return out
+
+
+QUIET_S = 0.02
+
+
+def time_after_quiet(backend: Backend, t: torch.Tensor, iters: int) -> dict | None:
+    """Rank 0: ``backend.async_roundtrip(t)`` after ``QUIET_S`` without traffic, ``iters`` times."""
+    if backend.async_roundtrip(t) is None:
+        return None
+    samples = []
+    for _ in range(max(iters, 10)):
+        time.sleep(QUIET_S)
+        t0 = time.perf_counter()
+        backend.async_roundtrip(t)
+        samples.append(time.perf_counter() - t0)
+    return summarize(samples)
 
 
 def time_echo(backend: Backend, t: torch.Tensor, iters: int) -> dict | None:
@@ -478,6 +504,9 @@ def aggregate(steps0: list[dict], steps1: list[dict], names, sizes):
         echoes = [(steps0[i]["rtt"].get("echo") or steps0[i]["rtt"][sizes[-1]])["median"]
                   for i in ok if sizes[-1] in steps0[i]["rtt"]]
         b["echo"] = med(echoes) if echoes else None
+        quiet = [steps0[i]["rtt"]["after_quiet"]["median"] for i in ok
+                 if steps0[i]["rtt"].get("after_quiet")]
+        b["after_quiet"] = med(quiet) if quiet else None
         b["init_s"] = med([steps0[i]["init_s"] for i in ok])
         b["shutdown_s"] = med([steps0[i]["shutdown_s"] for i in ok])
         for rank, steps in ((0, steps0), (1, steps1)):
@@ -534,6 +563,11 @@ def print_report(summary: dict, names: list[str], sizes: list[int], skipped: dic
     p(row)
     p("  (echo: rpc_sync(echo, (t,)) returns t unchanged, the tensor's plain round trip;"
       " raw MPI's row above is one)")
+    quiet = {c: summary[c].get("after_quiet") if have[c] else None for c in cols}
+    row = f"{'quiet':>8} " + "".join(f"{fmt_time(quiet[c]):>13}" for c in cols)
+    p(row + f"{ratio(quiet.get('ours'), quiet.get('tp')):>9}")
+    p(f"  (quiet: rpc_async(torch.add, ({size_label(sizes[0])} tensor, 1)).wait() after "
+      f"{QUIET_S * 1000:.0f} ms without traffic)")
     for name, why in skipped.items():
         p(f"  [{name} skipped: {why}]")
     p("")
