@@ -65,9 +65,8 @@ class _Wakeup:
         self._lock = threading.Lock()
         self._lock.acquire()
 
-    def sleep(self, seconds: float) -> bool:
-        """Sleep up to ``seconds``; True if woken early."""
-        return self._lock.acquire(timeout=seconds)  # True: woken; then held again
+    def sleep(self, seconds: float) -> None:
+        self._lock.acquire(timeout=seconds)  # True: woken; then held again
 
     def wake(self) -> None:
         try:
@@ -105,9 +104,7 @@ class _Backoff:
         self._delay = BACKOFF_MIN_S
 
     def sleep(self, idle_for: float) -> None:
-        if self._wakeup.sleep(self._delay):
-            self._delay = BACKOFF_MIN_S  # woken for traffic: poll often again
-            return
+        self._wakeup.sleep(self._delay)
         cap = BACKOFF_MAX_S
         for after, longer_cap in IDLE_CAPS:
             if idle_for > after:
@@ -218,15 +215,11 @@ class Transport:
                     self._lock_owner = None
             finally:
                 self._mpi_lock.release()
-        else:
-            # MPI below SERIALIZED, a re-entrant send from a completion callback
-            # that runs under the lock, or the lock is busy: the progress loop (or
-            # the next sender that gets the lock) posts it, in order.
-            self._outbox.append(item)
-        # An answer usually follows soon: unless a waiting caller drives
-        # progress itself, the progress thread leaves its nap and polls hot
-        # (rpc_async().wait() after a quiet spell took 2-6 ms, the naps' length).
-        self._last_activity = time.monotonic()
+            return
+        # MPI below SERIALIZED, a re-entrant send from a completion callback
+        # that runs under the lock, or the lock is busy: the progress loop (or
+        # the next sender that gets the lock) posts it, in order.
+        self._outbox.append(item)
         self._kick()
 
     def drive_until(self, done: Callable[[], bool]) -> bool:
