@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..rpc._hooks import with_grad
+
 # Gives recv outputs an autograd history; never receives a gradient.
 _ANCHOR = torch.empty(0, requires_grad=True)
 
@@ -55,17 +57,10 @@ def record_send(tensors: list[torch.Tensor]):
     Recorded whatever the calling thread's grad mode (the caller decided that a
     send is due; a reply may leave from a thread inside ``torch.no_grad()``).
     """
-    if torch.is_grad_enabled():  # the usual case; the context manager costs as much
-        return _send_apply(*tensors)[0].grad_fn
-    with torch.enable_grad():
-        return _send_apply(*tensors)[0].grad_fn
+    return with_grad(_send_apply, *tensors)[0].grad_fn
 
 
 def record_recv(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
     """Give ``tensors`` one shared recv node; returns (tensors with history, node)."""
-    if torch.is_grad_enabled():
-        outs = _recv_apply(_ANCHOR, tensors)
-    else:
-        with torch.enable_grad():
-            outs = _recv_apply(_ANCHOR, tensors)
+    outs = with_grad(_recv_apply, _ANCHOR, tensors)
     return list(outs), outs[0].grad_fn

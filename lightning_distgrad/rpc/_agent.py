@@ -121,16 +121,7 @@ def set_error(future: torch.futures.Future, exc: BaseException) -> None:
 
 
 def _decode_and_call(payload: bytes, tensors: list) -> tuple[Callable, Any]:
-    """Run a request's function; returns (function, result).
-
-    Grad mode is thread-local: a request runs with it on, as on a fresh server
-    thread, whichever thread handed its frame over (a caller's thread inside
-    ``torch.no_grad()``, say) and whatever an earlier function on this pool
-    thread left behind.
-    """
-    if not torch.is_grad_enabled():
-        with torch.enable_grad():
-            return _decode_and_call(payload, tensors)
+    """Run a request's function; returns (function, result)."""
     func, args, kwargs = decode_payload(payload, tensors)
     return func, func(*args, **kwargs)
 
@@ -326,7 +317,12 @@ class Agent:
         func = None
         try:
             tensors = hooks.incoming(frame.autograd, source, tensors)
-            func, result = hooks.call_in(ctx_id, _decode_and_call, frame.payload, tensors)
+            # Grad mode is thread-local: a request runs with it on, as on a fresh
+            # server thread, whichever thread handed its frame over (a caller's
+            # thread inside torch.no_grad(), say) and whatever an earlier function
+            # on this pool thread left behind.
+            func, result = hooks.call_in(ctx_id, _hooks.with_grad, _decode_and_call,
+                                         frame.payload, tensors)
         except BaseException as e:
             self._reply_error(source, frame.call_id, e)
             return

@@ -54,6 +54,15 @@ class AutogradHooks:
         raise RuntimeError("lightning_distgrad.autograd is not loaded")
 
 
+def with_grad(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with grad mode on; enters ``torch.enable_grad()`` only when it is
+    off (per message, the context manager cost as much as the work it wrapped)."""
+    if torch.is_grad_enabled():
+        return fn(*args)
+    with torch.enable_grad():
+        return fn(*args)
+
+
 _hooks: AutogradHooks = AutogradHooks()
 
 
