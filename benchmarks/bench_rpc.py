@@ -330,9 +330,7 @@ def time_after_quiet(backend: Backend, t: torch.Tensor, iters: int) -> dict | No
     samples = []
     for _ in range(max(iters, 10)):
         time.sleep(QUIET_S)
-        t0 = time.perf_counter()
-        backend.async_roundtrip(t)
-        samples.append(time.perf_counter() - t0)
+        samples.append(timed(lambda: backend.async_roundtrip(t)))
     return summarize(samples)
 
 
@@ -346,12 +344,7 @@ def time_echo(backend: Backend, t: torch.Tensor, iters: int) -> dict | None:
     del result
     backend.echo(t)  # warm-up
     gc.collect()
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        backend.echo(t)
-        samples.append(time.perf_counter() - t0)
-    return summarize(samples)
+    return summarize([timed(lambda: backend.echo(t)) for _ in range(iters)])
 
 
 class Compute:
