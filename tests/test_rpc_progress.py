@@ -1,9 +1,15 @@
-"""The progress loop's polling against a communicator that probes the way MPICH does."""
+"""The progress loop: polling against a communicator that probes the way MPICH does,
+and the doorbells that wake a napping progress thread."""
 
 from __future__ import annotations
 
+import os
+import select
+import threading
+
 from mpi4py import MPI
 
+from lightning_distgrad.rpc._doorbell import Doorbell, LocalBell
 from lightning_distgrad.rpc._transport import Transport
 from lightning_distgrad.rpc._wire import Frame
 
@@ -59,4 +65,81 @@ def test_one_poll_after_a_nap_delivers_a_frame_that_the_first_probe_misses():
         assert late.calls == 2
     finally:
         transport.ctrl = own_ctrl
+        transport.free()
+
+
+# ---------------------------------------------------------------------------
+# Doorbells: a napping progress thread is woken by a sender on its node
+
+
+def test_a_ring_wakes_a_napping_peer():
+    token = os.urandom(8).hex()
+    sleeper = Doorbell.create(token, 1, [0, 1])
+    ringer = Doorbell.create(token, 0, [0, 1])
+    assert isinstance(sleeper, Doorbell) and isinstance(ringer, Doorbell)
+    try:
+        nap = threading.Thread(target=sleeper.wait, args=(600.0,))
+        nap.start()
+        ringer.ring(1)
+        nap.join(60.0)  # a nap of 600 s that only a ring ends early
+        assert not nap.is_alive()
+    finally:
+        ringer.ring(1)
+        sleeper.close()
+        ringer.close()
+
+
+def test_rings_are_hints_that_never_fail():
+    token = os.urandom(8).hex()
+    bell = Doorbell.create(token, 0, [0, 1, 2])
+    peer = Doorbell.create(token, 1, [0, 1, 2])
+    try:
+        for _ in range(100):  # far beyond the socket's queue: the extra rings are dropped
+            bell.ring(1)
+        bell.ring(2)  # on this node but not listening (gone, or not started yet)
+        bell.ring(7)  # not on this node: never rung
+        peer.wait(0.0)  # takes every pending ring at once...
+        readable, _, _ = select.select([peer._sock], [], [], 0)
+        assert readable == []  # ...so the next nap is not cut short by stale rings
+    finally:
+        bell.close()
+        peer.close()
+
+
+def test_without_a_socket_only_this_process_can_wake_the_nap():
+    token = os.urandom(8).hex()
+    first = Doorbell.create(token, 0, [0])
+    second = Doorbell.create(token, 0, [0])  # the address is taken: no socket
+    try:
+        assert isinstance(first, Doorbell) and isinstance(second, LocalBell)
+        second.ring(0)  # a no-op
+        nap = threading.Thread(target=second.wait, args=(600.0,))
+        nap.start()
+        second.ring_self()
+        nap.join(60.0)
+        assert not nap.is_alive()
+    finally:
+        first.close()
+        second.close()
+
+
+def test_posting_a_frame_rings_its_destination():
+    transport = Transport(MPI.COMM_SELF, lambda source, frame, tensors: None)
+
+    class RecordingBell(LocalBell):
+        def __init__(self):
+            super().__init__()
+            self.rung = []
+
+        def ring(self, rank: int) -> None:
+            self.rung.append(rank)
+
+    own, transport._bell = transport._bell, RecordingBell()
+    try:
+        transport.send(0, Frame(CONTROL, -1, b"", (), "body"), [])
+        assert transport._bell.rung == [0]
+    finally:
+        while transport._sends:  # the self-send completes once its receive matches
+            transport._locked_progress_once()
+        transport._bell = own
         transport.free()

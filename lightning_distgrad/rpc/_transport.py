@@ -6,7 +6,8 @@ polls for incoming frames, and a thread waiting for an RPC result polls in its
 place. Nobody parks inside a blocking MPI call (MPICH spins there, costing a
 whole core): the poller uses ``Improbe``/``Testall`` and, when idle, first
 yields for a short hot window, then sleeps with an exponential backoff capped
-at 1-4 ms (mpi4py.futures style).
+at 1-4 ms (mpi4py.futures style). Senders on the same node cut the sleep short
+with a doorbell (see ``_doorbell``).
 
 Communicators (all duplicates of the user's, so no one else's traffic can
 match ours): ``ctrl`` carries frames (probed with ANY_SOURCE), ``data`` carries
@@ -31,6 +32,7 @@ import torch
 from mpi4py import MPI
 
 from ._abort import abort_mpi_job
+from ._doorbell import Doorbell, LocalBell
 from ._wire import (
     Frame,
     ReceiveBufferPool,
@@ -54,27 +56,6 @@ IDLE_CAPS = ((0.05, 0.002), (0.5, 0.004))
 SEND_LOCK_WAIT_S = 0.001
 
 
-class _Wakeup:
-    """A sleep that another thread can cut short; cheaper than ``threading.Event``.
-
-    A held lock: ``sleep`` waits to acquire it (C-level, GIL released),
-    ``wake`` releases it. Idle wake-ups dominate the idle agent's CPU use.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._lock.acquire()
-
-    def sleep(self, seconds: float) -> None:
-        self._lock.acquire(timeout=seconds)  # True: woken; then held again
-
-    def wake(self) -> None:
-        try:
-            self._lock.release()
-        except RuntimeError:  # already woken
-            pass
-
-
 def _in_default_modes() -> bool:
     """Whether this thread's torch modes are those of a fresh thread."""
     return (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
@@ -96,15 +77,15 @@ def _default_modes() -> Iterator[None]:
 class _Backoff:
     """Doubling sleep, reset by activity (mpi4py.futures' Backoff)."""
 
-    def __init__(self, wakeup: _Wakeup):
-        self._wakeup = wakeup
+    def __init__(self, bell: Doorbell | LocalBell):
+        self._bell = bell
         self._delay = BACKOFF_MIN_S
 
     def reset(self) -> None:
         self._delay = BACKOFF_MIN_S
 
     def sleep(self, idle_for: float) -> None:
-        self._wakeup.sleep(self._delay)
+        self._bell.wait(self._delay)
         cap = BACKOFF_MAX_S
         for after, longer_cap in IDLE_CAPS:
             if idle_for > after:
@@ -151,6 +132,8 @@ class Transport:
         # peers need, so there we only ever sleep between polls.
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.spin = node.Get_size() <= len(os.sched_getaffinity(0))
+        token = node.bcast(os.urandom(8).hex() if node.Get_rank() == 0 else None)
+        self._bell = Doorbell.create(token, self.rank, node.allgather(self.rank))
         node.Free()
         # Below SERIALIZED only the progress thread may call MPI.
         self._any_thread_may_send = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
@@ -158,7 +141,6 @@ class Transport:
         self._mpi_lock = threading.Lock()
         self._lock_owner: int | None = None  # ident of the thread inside _progress_once
         self._outbox: collections.deque = collections.deque()
-        self._wake = _Wakeup()
         self._sleeping = False
         self._driver: int | None = None  # ident of a thread driving progress
         self._busy = 0  # request handlers running: the progress thread must not spin
@@ -244,7 +226,7 @@ class Transport:
                 if self.spin:
                     os.sched_yield()
                 else:
-                    time.sleep(delay)
+                    self._bell.wait(delay)
                     delay = min(BACKOFF_MAX_S, delay * 2)
         finally:
             # The progress thread takes over again at its next check (<= 1 ms);
@@ -280,10 +262,11 @@ class Transport:
     def free(self) -> None:
         for comm in (self.ctrl, self.data, self.coll):
             comm.Free()
+        self._bell.close()
 
     def _kick(self) -> None:
         if self._sleeping:
-            self._wake.wake()
+            self._bell.ring_self()
 
     # -- progress ---------------------------------------------------------------
 
@@ -298,11 +281,11 @@ class Transport:
                           f"{self.rank}; aborting the MPI job.\n")
 
     def _progress_forever(self) -> None:
-        backoff = _Backoff(self._wake)
+        backoff = _Backoff(self._bell)
         while self._running or self._outbox or self._sends:
             if self._driver is not None:
-                # The driver posts the outbox too: sleep even if it is not empty.
-                self._wake.sleep(BACKOFF_MAX_S)
+                # The driver posts the outbox too, and answers the doorbell.
+                time.sleep(BACKOFF_MAX_S)
                 continue
             progressed = self._locked_progress_once()
             now = time.monotonic()
@@ -386,6 +369,7 @@ class Transport:
                 chunk = view[start:start + CHUNK_BYTES]
                 requests.append(self.data.Isend([chunk, MPI.BYTE], dst, tag))
         self._sends.append((requests, item))
+        self._bell.ring(dst)
     def _poll_frames(self) -> bool:
         status = MPI.Status()
         progressed = False
