@@ -6,7 +6,13 @@ import pickle
 
 import torch
 
-from lightning_distgrad.rpc._wire import ReceiveBufferPool, allocate_tensor, prepare_tensor
+from lightning_distgrad.rpc._wire import (
+    ReceiveBufferPool,
+    allocate_tensor,
+    decode_payload,
+    encode_payload,
+    prepare_tensor,
+)
 
 MIB = 1 << 20
 
@@ -57,3 +63,14 @@ def test_pool_stays_within_its_budget():
     assert len({t.data_ptr() for t in kept}) == 4
     small = _received(pool, MIB // 2)  # under min_bytes: never pooled
     assert small.numel() == MIB // 8 and pool.pooled_bytes == 4 * MIB
+
+
+def test_a_tensor_that_occurs_twice_travels_once_and_arrives_as_one():
+    t = torch.arange(4.0)
+    p = torch.nn.Parameter(torch.zeros(2))
+    payload, table, _ = encode_payload({"a": t, "b": [t, (t, p)], "c": p}, dst_id=1)
+    assert [id(x) for x in table] == [id(t), id(p)]
+    back = decode_payload(payload, [x.detach().clone() for x in table])
+    assert back["a"] is back["b"][0] is back["b"][1][0]
+    assert back["c"] is back["b"][1][1] and isinstance(back["c"], torch.nn.Parameter)
+    assert torch.equal(back["a"], t) and torch.equal(back["c"], p)

@@ -96,18 +96,25 @@ def encode_payload(obj: Any, dst_id: int) -> tuple[bytes, list[torch.Tensor], Pi
     """Pickle ``obj`` for ``dst_id``; returns (bytes, tensor table, pickling context)."""
     buf = io.BytesIO()
     tensors: list[torch.Tensor] = []
+    # A tensor that occurs twice travels once and arrives as one tensor, as
+    # pickle does for any object (a gradient's two inputs of ``a + b`` are one).
+    pids: dict[int, Any] = {}
 
     def persistent_id(o: Any) -> Any:
         # Dense tensors and Parameters go to the table (so autograd can record
         # them); other subclasses reduce to their plain ``.data`` tensor, which
         # then lands here; sparse tensors reduce to dense indices and values.
-        if type(o) is torch.Tensor and o.layout == torch.strided:
+        kind = type(o)
+        if (kind is not torch.Tensor and kind is not torch.nn.Parameter
+                or o.layout != torch.strided):
+            return None
+        pid = pids.get(id(o))
+        if pid is None:
             tensors.append(o)
-            return len(tensors) - 1
-        if type(o) is torch.nn.Parameter and o.layout == torch.strided:
-            tensors.append(o)
-            return ("param", len(tensors) - 1, o.requires_grad)
-        return None
+            index = len(tensors) - 1
+            pid = pids[id(o)] = index if kind is torch.Tensor else ("param", index,
+                                                                     o.requires_grad)
+        return pid
 
     pickler = pickle.Pickler(buf, _PROTOCOL)
     pickler.persistent_id = persistent_id
@@ -122,13 +129,17 @@ def encode_payload(obj: Any, dst_id: int) -> tuple[bytes, list[torch.Tensor], Pi
 
 def decode_payload(data: bytes, tensors: list[torch.Tensor]) -> Any:
     """Inverse of :func:`encode_payload`, given the received tensor table."""
+    params: dict[int, torch.Tensor] = {}
+
     def persistent_load(pid: Any) -> torch.Tensor:
         if type(pid) is int:
             return tensors[pid]
         _, index, requires_grad = pid
-        t = tensors[index]
-        # Recorded by distributed autograd: keep the history (a Parameter can't have one).
-        return t if t.grad_fn is not None else torch.nn.Parameter(t, requires_grad)
+        if index not in params:
+            t = tensors[index]
+            # Recorded by distributed autograd: keep the history (a Parameter can't have one).
+            params[index] = t if t.grad_fn is not None else torch.nn.Parameter(t, requires_grad)
+        return params[index]
 
     unpickler = pickle.Unpickler(io.BytesIO(data))
     unpickler.persistent_load = persistent_load
