@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from _dist_utils import wait_until
 
 from lightning_distgrad import rpc
 from lightning_distgrad.rpc import _core, _wire
@@ -367,3 +368,48 @@ def test_sender_holding_a_lock_that_a_completion_callback_needs_does_not_deadloc
     later = results[0]
     assert later.wait()[1:] == (0, 1)
     assert results[1][1:] == (0, 0)
+
+
+# ---------------------------------------------------------------------------
+# One-way notifications (what distributed autograd's gradient messages use)
+
+_notified: list = []
+
+
+def record_notification(value, tensor):
+    _notified.append((value, tensor.clone()))
+
+
+def notification_that_raises():
+    raise ValueError("a notification failed")
+
+
+def notified_values():
+    return [(v, t) for v, t in _notified]
+
+
+def test_notifications_run_on_the_peer_and_errors_stay_there(rpc_world, capfd):
+    world = rpc_world
+    _notified.clear()
+    world.barrier()
+    agent = _core.require_agent()
+    big = make_tensor(BIG, seed=world.rank)
+    agent.notify(world.peer_rank(), notification_that_raises, ())
+    for i in range(3):
+        agent.notify(world.peer_rank(), record_notification, (i, big))
+    assert wait_until(lambda: len(rpc.rpc_sync(world.peer(), notified_values)) == 3)
+    got = rpc.rpc_sync(world.peer(), notified_values)
+    assert sorted(v for v, _ in got) == [0, 1, 2]
+    for _, t in got:
+        assert_same(t, big)
+    # The peer's failing notification printed its traceback here (nobody else
+    # could be told), and this agent goes on serving.
+    printed = []
+
+    def printed_error() -> bool:
+        printed.append(capfd.readouterr().err)
+        return "ValueError: a notification failed" in "".join(printed)
+
+    assert wait_until(printed_error)
+    assert rpc.rpc_sync(world.peer(), torch.add, (torch.ones(2), 1)).tolist() == [2.0, 2.0]
+    world.barrier()

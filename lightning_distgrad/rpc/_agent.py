@@ -10,9 +10,12 @@ Three frame kinds travel between agents:
 * RESPONSE: ``(ok, value)`` for one call id; decoded by the thread driving
   progress (internal futures complete there, user-visible ones on a pool);
 * CONTROL: bookkeeping applied on arrival, in order, by the thread driving
-  progress (RRef fork deletes): never runs user code and never blocks.
+  progress (RRef fork deletes): never runs user code and never blocks;
+* NOTIFY: ``(func, args, kwargs)`` run on the worker pool like a REQUEST, but
+  nobody waits for it and no RESPONSE goes back (distributed autograd's
+  gradient messages, which report completion their own way).
 
-Every REQUEST and CONTROL frame is counted when sent and when processed; a
+Every REQUEST, CONTROL and NOTIFY frame is counted when sent and when processed; a
 graceful shutdown ends when the global counts match twice in a row with no
 call pending anywhere (a four-counter termination detection), so no request
 or response is lost.
@@ -36,7 +39,7 @@ from . import _devices, _hooks
 from ._transport import Transport
 from ._wire import Frame, decode_payload, encode_payload
 
-REQUEST, RESPONSE, CONTROL, QUICK_REQUEST = 0, 1, 2, 3
+REQUEST, RESPONSE, CONTROL, QUICK_REQUEST, NOTIFY = 0, 1, 2, 3, 4
 #: Operators whose tensors are all at most this big run as QUICK_REQUESTs.
 QUICK_LIMIT_BYTES = 64 * 1024
 # How often the progress thread looks for expired calls.
@@ -156,8 +159,8 @@ class Agent:
         self._deadlines: list[tuple[float, int]] = []
         self._deadline_lock = threading.Lock()
         self._timeout_check_armed = False
-        self._sent = 0  # REQUEST and CONTROL frames sent
-        self._processed = 0  # REQUEST frames answered and CONTROL frames applied
+        self._sent = 0  # REQUEST, CONTROL and NOTIFY frames sent
+        self._processed = 0  # REQUESTs answered, CONTROLs applied, NOTIFYs run
         self._count_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(num_worker_threads, thread_name_prefix="distgrad-worker")
         # User-visible futures complete here, so `then` callbacks never run on
@@ -206,6 +209,20 @@ class Agent:
         self.transport.send(dst.id, Frame(QUICK_REQUEST if quick else REQUEST, call_id, payload,
                                           (), meta, forks), tensors, devices)
         return future
+
+    def notify(self, dst_id: int, func: Callable, args: tuple) -> None:
+        """Run ``func(*args)`` on ``dst_id``'s worker pool; nothing answers.
+
+        Never recorded by distributed autograd. An error in ``func`` can only
+        be printed on ``dst_id``: ``func`` must report its outcome itself.
+        """
+        dst = self.infos[dst_id]
+        payload, tensors, pctx = self._encode((func, args, {}), dst, func)
+        devices = self._devices(tensors, dst_id, self.device_maps[self.info.id][dst_id])
+        pctx.commit()
+        self._count_sent()
+        self.transport.send(dst_id, Frame(NOTIFY, -1, payload, (), None,
+                                          tuple(pctx.arrival_forks)), tensors, devices)
 
     def send_control(self, dst_id: int, body: Any) -> None:
         """Fire-and-forget bookkeeping applied in order on ``dst_id``'s progress thread."""
@@ -270,7 +287,7 @@ class Agent:
             self._on_arrival(source, frame)
         if frame.kind == RESPONSE:
             self._on_response(source, frame, tensors)
-        elif frame.kind == REQUEST:
+        elif frame.kind == REQUEST or frame.kind == NOTIFY:
             self.transport.busy(+1)
             self._pool.submit(self._serve, source, frame, tensors)
         elif frame.kind == QUICK_REQUEST:
@@ -307,22 +324,37 @@ class Agent:
 
     def _serve(self, source: int, frame: Frame, tensors: list) -> None:
         try:
-            self._run_request(source, frame, tensors)
+            if frame.kind == NOTIFY:
+                self._run_notification(source, frame, tensors)
+            else:
+                self._run_request(source, frame, tensors)
         finally:
             self.transport.busy(-1)
 
-    def _run_request(self, source: int, frame: Frame, tensors: list) -> None:
+    @staticmethod
+    def _call(source: int, frame: Frame, tensors: list) -> tuple[int | None, Callable, Any]:
+        """Run the function of a REQUEST or NOTIFY; returns (context id, function, result)."""
         hooks = _hooks.get()
         ctx_id = hooks.context_of(frame.autograd)
-        func = None
+        tensors = hooks.incoming(frame.autograd, source, tensors)
+        # Grad mode is thread-local: a request runs with it on, as on a fresh
+        # server thread, whichever thread handed its frame over (a caller's
+        # thread inside torch.no_grad(), say) and whatever an earlier function
+        # on this pool thread left behind.
+        return (ctx_id, *hooks.call_in(ctx_id, _hooks.with_grad, _decode_and_call,
+                                       frame.payload, tensors))
+
+    def _run_notification(self, source: int, frame: Frame, tensors: list) -> None:
         try:
-            tensors = hooks.incoming(frame.autograd, source, tensors)
-            # Grad mode is thread-local: a request runs with it on, as on a fresh
-            # server thread, whichever thread handed its frame over (a caller's
-            # thread inside torch.no_grad(), say) and whatever an earlier function
-            # on this pool thread left behind.
-            func, result = hooks.call_in(ctx_id, _hooks.with_grad, _decode_and_call,
-                                         frame.payload, tensors)
+            self._call(source, frame, tensors)
+        except BaseException:
+            traceback.print_exc()  # nobody waits for an answer: say it here
+        finally:
+            self._count_processed()
+
+    def _run_request(self, source: int, frame: Frame, tensors: list) -> None:
+        try:
+            ctx_id, func, result = self._call(source, frame, tensors)
         except BaseException as e:
             self._reply_error(source, frame.call_id, e)
             return
@@ -380,6 +412,21 @@ class Agent:
         if not future.done():
             self.transport.drive_until(future.done)
         return future.wait()
+
+    def wait_done(self, future: torch.futures.Future, timeout: float) -> bool:
+        """Wait at most ``timeout`` s (<= 0: no limit) for ``future``; True if it is done."""
+        if future.done():
+            return True
+        if timeout > 0:
+            deadline = time.monotonic() + timeout
+            done = lambda: future.done() or time.monotonic() >= deadline  # noqa: E731
+        else:
+            done = future.done
+        if not self.transport.drive_until(done):  # another thread drives
+            finished = threading.Event()
+            future.add_done_callback(lambda _: finished.set())
+            finished.wait(timeout if timeout > 0 else None)
+        return future.done()
 
     def num_pending(self) -> int:
         return len(self._pending)
