@@ -893,11 +893,13 @@ _TRACED = {
         ("__init__", "pass setup (graph)"),
         ("deliver_roots", "pass.deliver_roots"),
         ("deliver_sends", "pass.deliver_sends"),
+        ("return_credit", "pass.return_credit"),
         ("_run_region", "pass.run_region"),
-        ("_ship", "pass.ship"),
         ("report", "pass.report"),
     ],
     ("lightning_distgrad.autograd._engine", None): [
+        ("_propagate_gradients", "gradient message"),
+        ("_ship", "pass.ship"),
         ("_check_all_sends_used", "pass.final check"),
     ],
     ("torch.autograd", None): [("grad", "torch.autograd.grad")],
@@ -1067,10 +1069,11 @@ def analyse_trace(
     return out.getvalue()
 
 
-def trace_ours(backend: Ours, comm: MPI.Comm, iters: int, hang_timeout: float) -> str | None:
-    """N iterations of the 3x3 loop with TRACE_POINTS timed on every thread of both ranks."""
+def trace_ours(backend: Ours, comm: MPI.Comm, iters: int, hang_timeout: float,
+               size: int = 3) -> str | None:
+    """N iterations of the seed loop with TRACE_POINTS timed on every thread of both ranks."""
     rank = comm.Get_rank()
-    t1, t2 = seed_inputs(3)
+    t1, t2 = seed_inputs(size)
     tracer = Tracer()
     quiet_barrier(comm)
     faulthandler.dump_traceback_later(hang_timeout, exit=True)
@@ -1161,6 +1164,13 @@ def main() -> int:
         "loop on both ranks (timeline breakdown)",
     )
     ap.add_argument(
+        "--trace-size",
+        type=int,
+        default=3,
+        metavar="N",
+        help="--trace times the NxN loop instead of 3x3",
+    )
+    ap.add_argument(
         "--hang-timeout",
         type=float,
         default=120,
@@ -1236,7 +1246,8 @@ def main() -> int:
         profile_text = profile_ours(backends["ours"], comm, args.profile, tag, args.hang_timeout)
     trace_text = None
     if args.trace and "ours" in names:
-        trace_text = trace_ours(backends["ours"], comm, args.trace, args.hang_timeout)
+        trace_text = trace_ours(backends["ours"], comm, args.trace, args.hang_timeout,
+                                args.trace_size)
     env["loadavg_end"] = load_average()
     timer.cancel()
     if rank != 0:

@@ -116,7 +116,7 @@ def _release_on_known_workers(ctx: DistAutogradContext | None, done: int | None 
         # Fire and forget (torch does not await it either): a CONTROL frame, applied
         # on arrival in order, so no later message can find the context again.
         # Counted by graceful shutdown.
-        agent.send_control(worker, (_hooks.AUTOGRAD_CONTROL, ctx._context_id()))
+        agent.send_control(worker, (_hooks.AUTOGRAD_CONTROL, "release", ctx._context_id()))
 
 
 def _retrieve_context(context_id: int) -> DistAutogradContext:
@@ -209,10 +209,15 @@ class _AutogradHooks(_hooks.AutogradHooks):
         return tensors
 
     def on_control(self, src_id: int, body: Any) -> None:
-        """Release a context here and on the workers it reached from here (transitively)."""
-        (context_id,) = body
-        _release_on_known_workers(container().release(context_id, must_exist=False),
-                                  done=src_id)
+        """A backward pass's credit back to its root, or a context released on ``src_id``:
+        release it here and on the workers it reached from here (transitively)."""
+        kind, *args = body
+        if kind == "credit":
+            _engine.apply_credit(*args)
+        else:
+            (context_id,) = args
+            _release_on_known_workers(container().release(context_id, must_exist=False),
+                                      done=src_id)
 
     def context_of(self, meta: Any) -> int | None:
         if meta is None:

@@ -10,12 +10,17 @@ engine: each *region* is one native ``torch.autograd.grad`` call that starts at
 wait for gradients from elsewhere. A node therefore runs once, with its summed
 gradient, however many regions feed it.
 
-Completion is detected with acknowledgements (Dijkstra-Scholten): a worker
-answers a gradient message only when the work it caused, including the
-messages it sent, is answered. When the root's own messages are all answered,
-the pass is over everywhere; send functions that never got a gradient are
-RPC results that did not reach the loss, reported as an error instead of the
-hang of PyTorch's FAST mode.
+A send function is an identity: the gradients its peer ships go straight to
+the nodes of the tensors it sent, with no native run for the send node itself.
+
+Completion is detected by credit recovery: the root starts with credit 1; a
+worker that ships gradient messages splits the credit it got among them and
+returns what it keeps to the root, with a report of its state (or an error).
+Gradient messages are one-way (nothing answers them), and a message to the
+root carries the credit and report back itself, so a pass costs only its
+gradient hops. When all the credit is back, every worker has finished its
+part; send functions that never got a gradient are RPC results that did not
+reach the loss, reported as an error instead of the hang of PyTorch's FAST mode.
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+import traceback
+from fractions import Fraction
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
 
-from ..rpc import _core
-from ..rpc._agent import set_error
-from ..rpc.functions import async_execution
+from ..rpc import _core, _hooks
+from ..rpc._agent import timeout_error
 from ._context import ContextContainer, DistAutogradContext, check_context_id, sum_grads
 
 _container: ContextContainer | None = None
@@ -125,7 +131,6 @@ class _Pass:
                      if mid not in ctx.consumed_sends}
             self.recv_ids = {node: mid for mid, node in ctx.recvs.items()}
         self.send_nodes = sends
-        self.send_ids = {node: mid for mid, node in sends.items()}
         self.pending_sends = set(sends)
         self.graph = _Graph([e.node for e in root_edges] + list(sends.values()),
                             set(self.recv_ids))
@@ -137,8 +142,13 @@ class _Pass:
         self.finalized: set = set()
         self.held_hooks: dict[Any, dict] = {}  # leaf node -> hooks taken off it
         self.seq = 0
-        self.outstanding: list[torch.futures.Future] = []
-        self.reports: list[tuple] = []  # acknowledgements' reports (root only)
+        # Root only, under credit_lock (never held during graph work): the
+        # credit back so far, the workers' reports, the first error.
+        self.credit_lock = threading.Lock()
+        self.credit = Fraction(0)
+        self.reports: list[tuple] = []
+        self.error: BaseException | None = None
+        self.finished = torch.futures.Future()  # set when all credit is back
 
     # -- deliveries ---------------------------------------------------------------
 
@@ -148,15 +158,18 @@ class _Pass:
         slots = self.buffers.setdefault(node, {})
         slots[nr] = sum_grads(slots.get(nr), grad)
 
-    def deliver_roots(self, root_edges: list[GradientEdge], grads: list[torch.Tensor]):
+    def deliver_roots(self, root_edges: list[GradientEdge],
+                      grads: list[torch.Tensor]) -> list[tuple[int, list]]:
+        """Gradients for the roots; returns the gradient messages to ship."""
         with self.lock:
             for edge, grad in zip(root_edges, grads, strict=False):
                 self._add(edge.node, edge.output_nr, grad)
                 self.graph.remaining[edge.node] -= 1
             return self._run()
 
-    def deliver_sends(self, items: list[tuple[int, list[torch.Tensor]]]):
-        """Gradients for send functions (``(message id, gradients)`` pairs) from one peer."""
+    def deliver_sends(self, items: list[tuple[int, list[torch.Tensor]]]) -> list[tuple[int, list]]:
+        """Gradients for send functions (``(message id, gradients)`` pairs) from one peer;
+        returns the gradient messages to ship."""
         with self.lock:
             for msg_id, grads in items:
                 self._deliver_send(msg_id, grads)
@@ -175,23 +188,34 @@ class _Pass:
                                "gradients twice in one backward pass")
         node = self.send_nodes[msg_id]
         self.pending_sends.discard(msg_id)
+        if not self.retain_graph:
+            with self.ctx.lock:
+                self.ctx.consumed_sends.add(msg_id)
         devices = self.ctx.send_devices.get(msg_id, ())
-        for nr, grad in enumerate(grads):
+        remaining = self.graph.remaining
+        remaining[node] -= 1
+        # The send node is an identity: its gradients go straight to the nodes
+        # of the tensors it sent (a native run of it would only copy them).
+        for nr, ((child, child_nr), grad) in enumerate(zip(node.next_functions, grads,
+                                                           strict=True)):
+            if child is None:
+                continue
             if nr < len(devices) and grad.device != devices[nr]:
                 grad = grad.to(devices[nr])  # gradients travel through host memory
-            self._add(node, nr, grad)
-        self.graph.remaining[node] -= 1
+            if _is_leaf_node(child):
+                self._hold_hooks(child)
+            self._add(child, child_nr, grad)
+            remaining[child] -= 1
 
     # -- regions --------------------------------------------------------------------
 
-    def _run(self) -> list[torch.futures.Future]:
-        """Run every region that is ready; returns the futures of gradients shipped."""
-        shipped: list[torch.futures.Future] = []
+    def _run(self) -> list[tuple[int, list]]:
+        """Run every region that is ready; returns one gradient message per peer."""
+        by_peer: dict[int, list] = {}
         while self._run_region():
-            shipped.extend(self._finalize_boundary())
-        shipped.extend(self._finalize_boundary())
-        self.outstanding.extend(shipped)
-        return shipped
+            self._finalize_boundary(by_peer)
+        self._finalize_boundary(by_peer)
+        return list(by_peer.items())
 
     def _run_region(self) -> bool:
         graph = self.graph
@@ -253,10 +277,6 @@ class _Pass:
         self._hold_hooks_of_partial_leaves(captured_nodes, rem)
         grads = _native_grad(outputs, [GradientEdge(c, nr) for c, nr in capture],
                              grad_outputs, self.retain_graph)
-        if not self.retain_graph:
-            with self.ctx.lock:
-                self.ctx.consumed_sends.update(self.send_ids[n] for n in run
-                                               if n in self.send_ids)
         for (child, nr), grad in zip(capture, grads, strict=False):
             self._add(child, nr, grad)
         for node in run:
@@ -267,18 +287,21 @@ class _Pass:
     def _hold_hooks_of_partial_leaves(self, captured: set, rem: dict) -> None:
         """Leaf hooks must see the full gradient once: take them off partial leaves."""
         for node in captured:
-            if not _is_leaf_node(node) or node in self.held_hooks:
-                continue
-            partial = rem.get(node, self.graph.remaining[node]) > 0 or node in self.buffers
-            hooks = getattr(node.variable, "_backward_hooks", None)
-            if partial and hooks:
-                self.held_hooks[node] = dict(hooks)
-                hooks.clear()
+            if _is_leaf_node(node) and (rem.get(node, self.graph.remaining[node]) > 0
+                                        or node in self.buffers):
+                self._hold_hooks(node)
+
+    def _hold_hooks(self, leaf: Any) -> None:
+        """Take ``leaf``'s hooks off until its gradient is complete (see _run_held_hooks)."""
+        hooks = getattr(leaf.variable, "_backward_hooks", None)
+        if hooks and leaf not in self.held_hooks:
+            self.held_hooks[leaf] = dict(hooks)
+            hooks.clear()
 
     # -- leaving the local graph ------------------------------------------------------
 
-    def _finalize_boundary(self) -> list[torch.futures.Future]:
-        by_peer: dict[int, list[tuple[int, list[torch.Tensor]]]] = {}
+    def _finalize_boundary(self, by_peer: dict[int, list]) -> None:
+        """Accumulate complete leaves; add finished recv functions' gradients to ``by_peer``."""
         leaf_grads = []
         remaining = self.graph.remaining
         for node in self.graph.boundary:
@@ -295,8 +318,6 @@ class _Pass:
                     leaf_grads.append((node.variable, grad))
         if leaf_grads:
             self.ctx.accumulate(leaf_grads)
-        # One message per peer, however many of its recv functions finished.
-        return [self._ship(peer, items) for peer, items in by_peer.items()]
 
     def _run_held_hooks(self, node: Any, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Give a leaf its hooks back, and run them on its (now full) gradient."""
@@ -320,12 +341,6 @@ class _Pass:
                 for i, (shape, dtype) in enumerate(metas)]
         return peer, (msg_id, full)
 
-    def _ship(self, peer: int, items: list[tuple]) -> torch.futures.Future:
-        return _core.invoke(peer, _propagate_gradients,
-                            (self.ctx._context_id(), items, self.retain_graph, self.pass_id),
-                            None, _core.UNSET_RPC_TIMEOUT, user_visible=False,
-                            force_autograd=False)
-
     # -- state ----------------------------------------------------------------------
 
     def complete(self) -> bool:
@@ -343,6 +358,29 @@ class _Pass:
         for node, hooks in self.held_hooks.items():
             node.variable._backward_hooks.update(hooks)
         self.held_hooks.clear()
+
+    # -- credit (root only) -----------------------------------------------------------
+
+    def return_credit(self, credit: Fraction, report: tuple | None,
+                      error: BaseException | None) -> None:
+        """Credit back from a worker (with its report or error); all back: the pass is over."""
+        with self.credit_lock:
+            if self.finished.done():
+                return  # timed out already
+            self.credit += credit
+            if report is not None:
+                self.reports.append(report)
+            if error is not None and self.error is None:
+                self.error = error
+            if self.credit == 1:
+                self.finished.set_result(None)
+
+    def expire(self, timeout: float) -> None:
+        """The pass ran past the RPC timeout: stop waiting for the credit still out."""
+        with self.credit_lock:
+            if not self.finished.done():
+                self.error = timeout_error(timeout)
+                self.finished.set_result(None)
 
 
 # ---------------------------------------------------------------------------
@@ -373,16 +411,6 @@ def _wrap_error(worker_id: int, e: BaseException) -> RuntimeError:
     return RuntimeError(f"Error on Node {worker_id}: {text}")
 
 
-def _wait_all(futures: list[torch.futures.Future]) -> tuple[list, list]:
-    reports, errors = [], []
-    for fut in futures:
-        try:
-            reports.extend(_core.wait(fut))
-        except Exception as e:
-            errors.append(e)
-    return reports, errors
-
-
 def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False) -> None:
     """Run the distributed backward pass from ``roots`` (on the worker that calls it)."""
     check_context_id(context_id)
@@ -399,28 +427,37 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     p = _Pass(ctx, (cont.worker_id, next(_pass_ids)), retain_graph, edges)
     ctx.backward_pass = p
     try:
-        error = None
         try:
-            p.deliver_roots(edges, [torch.ones_like(r) for r in roots])
+            messages = p.deliver_roots(edges, [torch.ones_like(r) for r in roots])
         except Exception as e:
-            error = _wrap_error(cont.worker_id, e)
-        # Wait for every gradient shipped from here, even after an error, so
-        # no worker is left working on this pass when backward returns.
-        while True:
-            with p.lock:
-                futures, p.outstanding = p.outstanding, []
-            if not futures:
-                break
-            reports, errors = _wait_all(futures)
-            if errors and error is None:
-                error = errors[0] if isinstance(errors[0], RuntimeError) else _wrap_error(
-                    cont.worker_id, errors[0])
-            p.reports.extend(reports)
-        if error is not None:
-            raise error
-        _check_all_sends_used(context_id, p, p.report(cont.worker_id), p.reports)
+            p.return_credit(Fraction(1), None, _wrap_error(cont.worker_id, e))
+        else:
+            _ship(p, messages, Fraction(1))
+        _wait_for_credit(p)
+        # Workers whose sends still wait for gradients (unused RPC results, or
+        # an error cut the pass short) hold state for the pass: end it there.
+        own = p.report(cont.worker_id)
+        latest = _latest_reports(p.reports + [own])
+        stuck = sorted(w for w, pending in latest.items() if pending and w != own[0])
+        for fut in [_core.invoke(w, _end_pass_here, (context_id, p.pass_id), None,
+                                 _core.UNSET_RPC_TIMEOUT, user_visible=False,
+                                 force_autograd=False) for w in stuck]:
+            try:
+                _core.wait(fut)
+            except Exception:  # that worker's part ends with its context anyway
+                pass
+        if p.error is not None:
+            raise p.error
+        _check_all_sends_used(context_id, latest)
     finally:
         _end_pass(ctx, p)
+
+
+def _wait_for_credit(p: _Pass) -> None:
+    """Wait (driving MPI progress) until all credit is back or the RPC timeout passes."""
+    agent = _core.require_agent()
+    if not agent.wait_done(p.finished, agent.timeout):
+        p.expire(agent.timeout)
 
 
 def _local_backward(ctx: DistAutogradContext, roots: list[torch.Tensor],
@@ -476,20 +513,18 @@ def _end_pass_here(context_id: int, pass_id: tuple) -> None:
         _end_pass(ctx, p)
 
 
-def _check_all_sends_used(context_id: int, p: _Pass, own: tuple, reports: list) -> None:
+def _latest_reports(reports: list[tuple]) -> dict[int, list]:
+    """Each worker's unused sends, from its latest report."""
     latest: dict[int, tuple] = {}
-    for worker, seq, pending in reports + [own]:
+    for worker, seq, pending in reports:
         if worker not in latest or seq > latest[worker][0]:
             latest[worker] = (seq, pending)
-    unused = [item for _, pending in latest.values() for item in pending]
+    return {worker: pending for worker, (_, pending) in latest.items()}
+
+
+def _check_all_sends_used(context_id: int, latest: dict[int, list]) -> None:
+    unused = [item for pending in latest.values() for item in pending]
     if unused:
-        # Those workers still wait for the unused sends' gradients: end their
-        # part of the pass, so they hold no state for it.
-        stuck = {worker for worker, (_, pending) in latest.items()
-                 if pending and worker != own[0]}
-        _wait_all([_core.invoke(w, _end_pass_here, (context_id, p.pass_id), None,
-                                _core.UNSET_RPC_TIMEOUT, user_visible=False,
-                                force_autograd=False) for w in sorted(stuck)])
         described = "; ".join(f"autograd message {mid} (worker {src} -> worker {dst})"
                               for mid, src, dst in unused)
         raise RuntimeError(
@@ -500,48 +535,102 @@ def _check_all_sends_used(context_id: int, p: _Pass, own: tuple, reports: list) 
             "such RPCs under torch.no_grad() or outside the context.")
 
 
-@async_execution
-def _propagate_gradients(context_id: int, items: list[tuple[int, list[torch.Tensor]]],
-                         retain_graph: bool, pass_id: tuple) -> torch.futures.Future:
-    """Runs on the worker that sent the messages of ``items``: gradients for their sends."""
-    cont = container()
-    ctx = cont.retrieve(context_id)
-    for msg_id, _ in items:
-        if msg_id not in ctx.sends:
-            raise RuntimeError(
-                f"Could not find send function for autograd message id: {msg_id}")
+def _ship(p: _Pass, messages: list[tuple[int, list]], credit: Fraction) -> None:
+    """Send gradient messages, splitting ``credit`` among them; return the rest to the root.
+
+    A message to the root carries this worker's report itself; otherwise a
+    credit return (a CONTROL frame, applied on arrival) does.
+    """
+    root = p.pass_id[0]
+    me = container().worker_id
+    context_id = p.ctx._context_id()
+    to_root = me != root and any(peer == root for peer, _ in messages)
+    share = credit / (len(messages) + (0 if to_root else 1))
+    kept = Fraction(0) if to_root else share
+    report = p.report(me) if me != root else None
+    error = None
+    agent = _core.require_agent()
+    for peer, items in messages:
+        carried = report if peer == root else None
+        try:
+            agent.notify(peer, _propagate_gradients,
+                         (context_id, items, p.retain_graph, p.pass_id, share, carried))
+        except Exception as e:  # never sent: its credit and report come back here
+            kept += share
+            error = error or _wrap_error(me, e)
+            to_root = to_root and carried is None
+    if kept or not to_root:
+        _return_credit(context_id, p.pass_id, kept, None if to_root else report, error)
+
+
+def _return_credit(context_id: int, pass_id: tuple, credit: Fraction, report: tuple | None,
+                   error: BaseException | None) -> None:
+    root = pass_id[0]
+    if root == container().worker_id:
+        apply_credit(context_id, pass_id, credit, report, error)
+    else:
+        text = None if error is None else _error_text(error)
+        _core.require_agent().send_control(
+            root, (_hooks.AUTOGRAD_CONTROL, "credit", context_id, pass_id, credit, report, text))
+
+
+def _error_text(error: BaseException) -> str:
+    """The error as the root raises it: "Error on Node N: ...", then where it happened."""
+    where = "".join(traceback.format_tb(error.__traceback__)) if error.__traceback__ else ""
+    return f"{error}\n{where}" if where else str(error)
+
+
+def apply_credit(context_id: int, pass_id: tuple, credit: Fraction, report: tuple | None,
+                 error: BaseException | str | None) -> None:
+    """Credit back to the root (from a CONTROL frame: must not block)."""
+    cont = _container
+    ctx = cont.find(context_id) if cont is not None else None
+    p = ctx.backward_pass if ctx is not None else None
+    if p is not None and p.pass_id == pass_id:  # else the pass timed out: drop it
+        p.return_credit(credit, report, RuntimeError(error) if isinstance(error, str) else error)
+
+
+def _worker_pass(ctx: DistAutogradContext, pass_id: tuple, retain_graph: bool) -> _Pass:
+    """This worker's part of a pass that another worker (the root) started."""
     with _pass_creation_lock:  # concurrent first messages of a pass must share it
         p = ctx.backward_pass
         if p is None or p.pass_id != pass_id:
             p = ctx.backward_pass = _Pass(ctx, pass_id, retain_graph, [])
+        return p
+
+
+def _propagate_gradients(context_id: int, items: list[tuple[int, list[torch.Tensor]]],
+                         retain_graph: bool, pass_id: tuple, credit: Fraction,
+                         report: tuple | None) -> None:
+    """A gradient message (NOTIFY), on the worker that sent the messages of ``items``."""
+    cont = container()
+    is_root = pass_id[0] == cont.worker_id
+    ctx = cont.find(context_id)
+    p = None
     try:
-        shipped = p.deliver_sends(items)
+        if ctx is None:
+            raise RuntimeError(f"Could not find autograd context with id: {context_id}")
+        if is_root:
+            p = ctx.backward_pass
+            if p is None or p.pass_id != pass_id:
+                return  # the root's pass is over (timed out): nobody waits for this
+            if report is not None:
+                p.return_credit(Fraction(0), report, None)
+        else:
+            p = _worker_pass(ctx, pass_id, retain_graph)
+        for msg_id, _ in items:
+            if msg_id not in ctx.sends:
+                raise RuntimeError(
+                    f"Could not find send function for autograd message id: {msg_id}")
+        messages = p.deliver_sends(items)
     except Exception as e:
-        _end_pass(ctx, p)
-        raise _wrap_error(cont.worker_id, e) from e
-    done: torch.futures.Future = torch.futures.Future()
-
-    def finish(_: Any = None) -> None:
-        reports, errors = [], []
-        for fut in shipped:
-            try:
-                reports.extend(fut.wait())
-            except Exception as e:
-                errors.append(e)
-        if errors:
+        if p is not None and not is_root:
             _end_pass(ctx, p)
-            set_error(done, errors[0])
-            return
-        reports.append(p.report(cont.worker_id))
-        if p.complete():
-            _end_pass(ctx, p)
-        done.set_result(reports)
-
-    if shipped:
-        torch.futures.collect_all(shipped).add_done_callback(finish)
-    else:
-        finish()
-    return done
+        _return_credit(context_id, pass_id, credit, None, _wrap_error(cont.worker_id, e))
+        return
+    if not is_root and p.complete():
+        _end_pass(ctx, p)  # before the credit goes back: backward returns after that
+    _ship(p, messages, credit)
 
 
 def num_backward_passes() -> int:
