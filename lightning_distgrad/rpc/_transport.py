@@ -52,6 +52,8 @@ BACKOFF_MIN_S = BACKOFF_MAX_S / 64
 # VM, and an idle agent must stay near zero CPU. (idle for at least, cap) pairs;
 # only the first message after a long quiet spell waits for the longer naps.
 IDLE_CAPS = ((0.05, 0.002), (0.5, 0.004))
+# When every peer shares this node, a frame rings the doorbell: naps can be long.
+IDLE_CAPS_ALL_RING = IDLE_CAPS + ((2.0, 0.02),)
 # A sender waits at most this long for the MPI lock, then hands off (see send).
 SEND_LOCK_WAIT_S = 0.001
 
@@ -77,8 +79,9 @@ def _default_modes() -> Iterator[None]:
 class _Backoff:
     """Doubling sleep, reset by activity (mpi4py.futures' Backoff)."""
 
-    def __init__(self, bell: Doorbell | LocalBell):
+    def __init__(self, bell: Doorbell | LocalBell, caps: tuple = IDLE_CAPS):
         self._bell = bell
+        self._caps = caps
         self._delay = BACKOFF_MIN_S
 
     def reset(self) -> None:
@@ -87,7 +90,7 @@ class _Backoff:
     def sleep(self, idle_for: float) -> None:
         self._bell.wait(self._delay)
         cap = BACKOFF_MAX_S
-        for after, longer_cap in IDLE_CAPS:
+        for after, longer_cap in self._caps:
             if idle_for > after:
                 cap = longer_cap
         self._delay = min(cap, self._delay * 2)
@@ -134,6 +137,7 @@ class Transport:
         self.spin = node.Get_size() <= len(os.sched_getaffinity(0))
         token = node.bcast(os.urandom(8).hex() if node.Get_rank() == 0 else None)
         self._bell = Doorbell.create(token, self.rank, node.allgather(self.rank))
+        self._all_ring = isinstance(self._bell, Doorbell) and node.Get_size() == self.size
         node.Free()
         # Below SERIALIZED only the progress thread may call MPI.
         self._any_thread_may_send = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
@@ -281,7 +285,7 @@ class Transport:
                           f"{self.rank}; aborting the MPI job.\n")
 
     def _progress_forever(self) -> None:
-        backoff = _Backoff(self._bell)
+        backoff = _Backoff(self._bell, IDLE_CAPS_ALL_RING if self._all_ring else IDLE_CAPS)
         while self._running or self._outbox or self._sends:
             if self._driver is not None:
                 # The driver posts the outbox too, and answers the doorbell.
