@@ -557,7 +557,7 @@ def _ship(p: _Pass, messages: list[tuple[int, list]], credit: Fraction) -> None:
                          (context_id, items, p.retain_graph, p.pass_id, share, carried))
         except Exception as e:  # never sent: its credit and report come back here
             kept += share
-            error = error or _wrap_error(me, e)
+            error = error or _wrap_error(me, e).with_traceback(e.__traceback__)
             to_root = to_root and carried is None
     if kept or not to_root:
         _return_credit(context_id, p.pass_id, kept, None if to_root else report, error)
@@ -626,7 +626,8 @@ def _propagate_gradients(context_id: int, items: list[tuple[int, list[torch.Tens
     except Exception as e:
         if p is not None and not is_root:
             _end_pass(ctx, p)
-        _return_credit(context_id, pass_id, credit, None, _wrap_error(cont.worker_id, e))
+        error = _wrap_error(cont.worker_id, e).with_traceback(e.__traceback__)
+        _return_credit(context_id, pass_id, credit, None, error)
         return
     if not is_root and p.complete():
         _end_pass(ctx, p)  # before the credit goes back: backward returns after that
