@@ -374,6 +374,7 @@ class Transport:
                 requests.append(self.data.Isend([chunk, MPI.BYTE], dst, tag))
         self._sends.append((requests, item))
         self._bell.ring(dst)
+
     def _poll_frames(self) -> bool:
         status = MPI.Status()
         progressed = False
