@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import torch
@@ -24,7 +25,9 @@ def _received(pool: ReceiveBufferPool, n: int) -> torch.Tensor:
 
 def test_inline_tensors_round_trip_through_pickle_as_writable_tensors():
     for t in (torch.arange(5, dtype=torch.float64), torch.tensor(True), torch.zeros(0, 3),
-              torch.arange(6).view(2, 3).t()):  # non-contiguous
+              torch.arange(6).view(2, 3).t(),  # non-contiguous
+              torch.ones(2, 2, dtype=torch.bfloat16), torch.ones(3, dtype=torch.complex64),
+              torch.arange(4, dtype=torch.int8).view(1, 2, 2)):
         meta, buffer = prepare_tensor(t)
         assert buffer is None
         back = allocate_tensor(pickle.loads(pickle.dumps(meta, 5)))
@@ -74,3 +77,17 @@ def test_a_tensor_that_occurs_twice_travels_once_and_arrives_as_one():
     assert back["a"] is back["b"][0] is back["b"][1][0]
     assert back["c"] is back["b"][1][1] and isinstance(back["c"], torch.nn.Parameter)
     assert torch.equal(back["a"], t) and torch.equal(back["c"], p)
+
+
+def test_operators_travel_as_cached_references_and_bound_methods_with_their_object():
+    from lightning_distgrad.rpc import _wire
+
+    items = [1, 2]
+    payload, tensors, _ = encode_payload((torch.add, math.sqrt, items.append), 0)
+    op, sqrt, append = decode_payload(payload, tensors)
+    assert op is torch.add and sqrt is math.sqrt
+    assert torch.add in _wire._function_bytes and math.sqrt in _wire._function_bytes
+    # A method bound to an object is pickled with that object's state each time.
+    assert items.append not in _wire._function_bytes
+    append(3)
+    assert append.__self__ == [1, 2, 3] and items == [1, 2]
