@@ -554,7 +554,7 @@ def _ship(p: _Pass, messages: list[tuple[int, list]], credit: Fraction) -> None:
         carried = report if peer == root else None
         try:
             agent.notify(peer, _propagate_gradients,
-                         (context_id, items, p.retain_graph, p.pass_id, share, carried))
+                         (context_id, items, p.retain_graph, p.pass_id, _on_wire(share), carried))
         except Exception as e:  # never sent: its credit and report come back here
             kept += share
             error = error or _wrap_error(me, e).with_traceback(e.__traceback__)
@@ -567,11 +567,12 @@ def _return_credit(context_id: int, pass_id: tuple, credit: Fraction, report: tu
                    error: BaseException | None) -> None:
     root = pass_id[0]
     if root == container().worker_id:
-        apply_credit(context_id, pass_id, credit, report, error)
+        apply_credit(context_id, pass_id, _on_wire(credit), report, error)
     else:
         text = None if error is None else _error_text(error)
         _core.require_agent().send_control(
-            root, (_hooks.AUTOGRAD_CONTROL, "credit", context_id, pass_id, credit, report, text))
+            root, (_hooks.AUTOGRAD_CONTROL, "credit", context_id, pass_id, _on_wire(credit),
+                   report, text))
 
 
 def _error_text(error: BaseException) -> str:
@@ -580,14 +581,20 @@ def _error_text(error: BaseException) -> str:
     return f"{error}\n{where}" if where else str(error)
 
 
-def apply_credit(context_id: int, pass_id: tuple, credit: Fraction, report: tuple | None,
-                 error: BaseException | str | None) -> None:
+def _on_wire(credit: Fraction) -> tuple[int, int]:
+    """A credit as it travels: pickling a Fraction costs 3x as much as its two ints."""
+    return credit.numerator, credit.denominator
+
+
+def apply_credit(context_id: int, pass_id: tuple, credit: tuple[int, int],
+                 report: tuple | None, error: BaseException | str | None) -> None:
     """Credit back to the root (from a CONTROL frame: must not block)."""
     cont = _container
     ctx = cont.find(context_id) if cont is not None else None
     p = ctx.backward_pass if ctx is not None else None
     if p is not None and p.pass_id == pass_id:  # else the pass timed out: drop it
-        p.return_credit(credit, report, RuntimeError(error) if isinstance(error, str) else error)
+        p.return_credit(Fraction(*credit), report,
+                        RuntimeError(error) if isinstance(error, str) else error)
 
 
 def _worker_pass(ctx: DistAutogradContext, pass_id: tuple, retain_graph: bool) -> _Pass:
@@ -600,9 +607,10 @@ def _worker_pass(ctx: DistAutogradContext, pass_id: tuple, retain_graph: bool) -
 
 
 def _propagate_gradients(context_id: int, items: list[tuple[int, list[torch.Tensor]]],
-                         retain_graph: bool, pass_id: tuple, credit: Fraction,
+                         retain_graph: bool, pass_id: tuple, credit: tuple[int, int],
                          report: tuple | None) -> None:
     """A gradient message (NOTIFY), on the worker that sent the messages of ``items``."""
+    credit = Fraction(*credit)
     cont = container()
     is_root = pass_id[0] == cont.worker_id
     ctx = cont.find(context_id)
