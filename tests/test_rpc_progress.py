@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
 
+import pytest
 from mpi4py import MPI
 
 from lightning_distgrad.rpc._doorbell import Doorbell, LocalBell
@@ -123,23 +125,54 @@ def test_without_a_socket_only_this_process_can_wake_the_nap():
         second.close()
 
 
-def test_posting_a_frame_rings_its_destination():
+class _RecordingBell(LocalBell):
+    def __init__(self):
+        super().__init__()
+        self.rung: list = []
+
+    def ring(self, rank: int) -> None:
+        self.rung.append(rank)
+
+    def ring_self(self) -> None:
+        self.rung.append("self")
+
+
+def _drain_sends(transport: Transport) -> None:
+    deadline = time.monotonic() + 60
+    while transport._sends:  # a send completes once its receive matches
+        assert time.monotonic() < deadline, "the frame was never received"
+        transport._locked_progress_once()
+
+
+def test_a_frame_to_ourselves_wakes_our_own_napping_progress_thread():
     transport = Transport(MPI.COMM_SELF, lambda source, frame, tensors: None)
-
-    class RecordingBell(LocalBell):
-        def __init__(self):
-            super().__init__()
-            self.rung = []
-
-        def ring(self, rank: int) -> None:
-            self.rung.append(rank)
-
-    own, transport._bell = transport._bell, RecordingBell()
+    own, transport._bell = transport._bell, _RecordingBell()
     try:
+        transport._sleeping = True  # as while the progress thread naps
         transport.send(0, Frame(CONTROL, -1, b"", (), "body"), [])
-        assert transport._bell.rung == [0]
+        assert transport._bell.rung == ["self"]
     finally:
-        while transport._sends:  # the self-send completes once its receive matches
-            transport._locked_progress_once()
+        _drain_sends(transport)
+        transport._bell = own
+        transport.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_posting_a_frame_rings_its_destination(mpi_comm):
+    delivered = []
+    transport = Transport(mpi_comm, lambda source, frame, tensors: delivered.append(source))
+    own, transport._bell = transport._bell, _RecordingBell()
+    try:
+        if transport.rank == 0:
+            transport.send(1, Frame(CONTROL, -1, b"", (), "body"), [])
+            assert transport._bell.rung == [1]
+            _drain_sends(transport)
+        elif transport.rank == 1:
+            deadline = time.monotonic() + 60
+            while not delivered:
+                assert time.monotonic() < deadline, "no frame from rank 0"
+                transport._locked_progress_once()
+            assert delivered == [0] and transport._bell.rung == []
+    finally:
         transport._bell = own
         transport.free()
