@@ -9,15 +9,19 @@ if other processes load the machine).
 ``THP_MEM_ALLOC_ENABLE=1`` is recommended: without transparent huge pages, fresh 64 MiB
 receive tensors cost ~45 ms of page faults on small VMs and dominate big-message RTTs.
 
-Backends (see ``BACKENDS``; pick with ``--backends mpi,ours,tp``):
+Backends (see ``BACKENDS``; pick with ``--backends mpi,py,ours,tp``):
 
 * ``mpi``:  raw mpi4py buffer ping-pong (``Send``/``Recv`` of tensor memory on a
   ``COMM_WORLD.Dup()``, pre-allocated buffers, echo): the physical limit.
+* ``py``:   the smallest Python RPC (``MinimalPython``): one thread per rank and no agent, only
+  the steps every Python RPC takes (pickle the call around a tensor table, ``Isend``, poll
+  with ``Improbe``, unpickle, run, answer the same way): the floor of any Python
+  per-message path on this machine, for small messages.
 * ``ours``: ``lightning_distgrad.rpc`` (skipped with a note while it has no ``init_rpc``).
 * ``tp``:   ``torch.distributed.rpc`` with its TensorPipe backend, default options, started
   inside the same MPI job (rank/world size from MPI, ``tcp://127.0.0.1:<port>`` chosen by rank 0).
 
-What is measured, per round and backend (rounds interleave backends: mpi, ours, tp, mpi, ...):
+What is measured, per round and backend (rounds interleave backends: mpi, py, ours, tp, mpi, ...):
 
 1. init time;
 2. round-trip time of ``rpc_sync("worker1", torch.add, (t, 1))`` (raw MPI: send ``t``, receive it
@@ -53,8 +57,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import io
 import json
 import os
+import pickle
 import sys
 import time
 import traceback
@@ -220,6 +226,90 @@ class RawMPI(Backend):
         self.wire.Free()
 
 
+class MinimalPython(Backend):
+    """The least a Python RPC does per message, with no agent: no threads, futures, timeouts.
+
+    The call ``(function, args)`` is pickled with tensors swapped for a table (bytes inline
+    up to 64 KiB, else one more message), sent with ``Isend`` and polled for with
+    ``Improbe`` + ``sched_yield``; rank 1 unpickles it, runs it and answers the same way.
+    The function travels as its pickled reference, made once.
+    """
+
+    name = "py"
+    label = "minimal Python RPC (one thread, no agent)"
+    TAG = 9
+    INLINE_BYTES = 64 * KiB
+
+    def init(self) -> None:
+        self.wire = self.comm.Dup()
+        self.status = MPI.Status()
+        self.add_ref = pickle.dumps(torch.add, pickle.HIGHEST_PROTOCOL)
+        self.functions: dict[bytes, object] = {}
+
+    def _send(self, obj) -> None:
+        tensors: list[torch.Tensor] = []
+
+        def table_index(o):
+            if type(o) is torch.Tensor:
+                tensors.append(o)
+                return len(tensors) - 1
+            return None
+
+        buf = io.BytesIO()
+        pickler = pickle.Pickler(buf, pickle.HIGHEST_PROTOCOL)
+        pickler.persistent_id = table_index
+        pickler.dump(obj)
+        metas = [(t.dtype, t.shape, bytearray(t.numpy()) if t.nbytes <= self.INLINE_BYTES
+                  else None) for t in tensors]
+        raw = pickle.dumps((buf.getvalue(), metas), pickle.HIGHEST_PROTOCOL)
+        requests = [self.wire.Isend([raw, MPI.BYTE], self.peer, self.TAG)]
+        requests += [self.wire.Isend(t.numpy(), self.peer, self.TAG + 1)
+                     for t, meta in zip(tensors, metas, strict=True) if meta[2] is None]
+        MPI.Request.Waitall(requests)
+
+    def _receive(self):
+        while (message := self.wire.Improbe(self.peer, self.TAG, self.status)) is None:
+            os.sched_yield()
+        raw = bytearray(self.status.Get_count(MPI.BYTE))
+        message.Recv([raw, MPI.BYTE])
+        payload, metas = pickle.loads(raw)
+        tensors = []
+        for dtype, shape, data in metas:
+            if data is None:
+                t = torch.empty(shape, dtype=dtype)
+                self.wire.Recv(t.numpy(), self.peer, self.TAG + 1)
+            else:
+                t = torch.frombuffer(data, dtype=dtype).view(shape)
+            tensors.append(t)
+        unpickler = pickle.Unpickler(io.BytesIO(payload))
+        unpickler.persistent_load = tensors.__getitem__
+        return unpickler.load()
+
+    def roundtrip(self, t: torch.Tensor) -> torch.Tensor:
+        self._send((self.add_ref, (t, 1)))
+        return self._receive()
+
+    def begin_timed(self, iters: int) -> None:
+        self.wire.send(iters, dest=self.peer, tag=self.TAG + 2)
+
+    def _serve_one(self) -> None:
+        ref, args = self._receive()
+        func = self.functions.get(ref)
+        if func is None:
+            func = self.functions[ref] = pickle.loads(ref)
+        self._send(func(*args))
+
+    def serve(self, plan: list[tuple[int, int, int]]) -> None:
+        for _, _, warmup in plan:
+            for _ in range(1 + warmup):  # 1 checked call + warm-up, then the timed ones
+                self._serve_one()
+            for _ in range(self.wire.recv(source=self.peer, tag=self.TAG + 2)):
+                self._serve_one()
+
+    def shutdown(self) -> None:
+        self.wire.Free()
+
+
 class RpcBackend(Backend):
     """Anything with the ``torch.distributed.rpc`` API: init_rpc / rpc_sync / shutdown."""
 
@@ -284,7 +374,8 @@ class TensorPipe(RpcBackend):
         return tensorpipe_kwargs(self.rpc, self.comm)
 
 
-BACKENDS: dict[str, type[Backend]] = {"mpi": RawMPI, "ours": Ours, "tp": TensorPipe}
+BACKENDS: dict[str, type[Backend]] = {"mpi": RawMPI, "py": MinimalPython, "ours": Ours,
+                                      "tp": TensorPipe}
 
 
 # --------------------------------------------------------------------------------------------
@@ -529,8 +620,8 @@ def print_report(summary: dict, names: list[str], sizes: list[int], skipped: dic
     def p(line: str) -> None:
         lines.append(line.rstrip())
 
-    cols = [n for n in ("mpi", "ours", "tp") if n in names] + [
-        n for n in names if n not in ("mpi", "ours", "tp")
+    cols = [n for n in ("mpi", "py", "ours", "tp") if n in names] + [
+        n for n in names if n not in ("mpi", "py", "ours", "tp")
     ]
     have = {n: bool(summary.get(n, {}).get("rtt")) for n in cols}
 
@@ -604,6 +695,10 @@ def print_report(summary: dict, names: list[str], sizes: list[int], skipped: dic
     check(
         f"{size_label(tiny)} RTT ours/TP", r[0] / r[1] if None not in r else None, TARGET_TINY_VS_TP
     )
+    r = rtt("py", tiny), rtt("tp", tiny), rtt("ours", tiny)
+    if None not in r:
+        p(f"  info  {size_label(tiny)} RTT minimal Python/TP = {r[0] / r[1]:.3f} (the floor of "
+          f"any Python per-message path here); ours/minimal Python = {r[2] / r[0]:.2f}")
     r = echo.get("ours"), echo.get("mpi")
     check(
         f"{size_label(big)} tensor round trip (echo) ours/raw MPI",
@@ -660,7 +755,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="few iterations (< ~60 s)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    ap.add_argument("--backends", default="mpi,ours,tp", help="comma list of " + ",".join(BACKENDS))
+    ap.add_argument("--backends", default="mpi,py,ours,tp", help="comma list of " + ",".join(BACKENDS))
     ap.add_argument(
         "--idle-seconds",
         type=float,
