@@ -755,7 +755,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="few iterations (< ~60 s)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    ap.add_argument("--backends", default="mpi,py,ours,tp", help="comma list of " + ",".join(BACKENDS))
+    ap.add_argument("--backends", default="mpi,py,ours,tp",
+                    help="comma list of " + ",".join(BACKENDS))
     ap.add_argument(
         "--idle-seconds",
         type=float,
