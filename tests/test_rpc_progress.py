@@ -176,3 +176,32 @@ def test_posting_a_frame_rings_its_destination(mpi_comm):
     finally:
         transport._bell = own
         transport.free()
+
+
+def test_a_nap_never_runs_past_the_next_timer():
+    transport = Transport(MPI.COMM_SELF, lambda source, frame, tensors: None)
+    naps = []  # (nap asked for, time left to the earliest timer then)
+
+    class RecordingNaps(LocalBell):
+        def wait(self, timeout: float, *args) -> None:
+            timers = transport._timers
+            left = timers[0][0] - time.monotonic() if timers else float("inf")
+            naps.append((timeout, left))
+            super().wait(timeout)
+
+    own, transport._bell = transport._bell, RecordingNaps()
+    transport._last_activity -= 10.0  # long idle: naps grow to their longest
+    transport.start()
+    try:
+        time.sleep(0.3)
+        assert max(nap for nap, _ in naps) >= 0.01  # naps did grow long
+        fired = threading.Event()
+        transport.call_later(0.005, fired.set)
+        assert fired.wait(60)
+    finally:
+        transport.stop()
+        transport._bell = own
+        transport.free()
+    while_pending = [(nap, left) for nap, left in naps if left != float("inf")]
+    assert while_pending, "no nap was taken while the timer was pending"
+    assert all(nap <= max(left, 0.0) + 0.001 for nap, left in while_pending), while_pending

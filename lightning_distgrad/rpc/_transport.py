@@ -53,8 +53,8 @@ BACKOFF_MIN_S = BACKOFF_MAX_S / 64
 # only the first message after a long quiet spell waits for the longer naps.
 IDLE_CAPS = ((0.05, 0.002), (0.5, 0.004))
 # When every peer shares this node, every frame rings the doorbell, so a nap's
-# length costs no latency: naps grow to 20 ms within 0.1 s. (Timers, such as the
-# timeout checks, may fire up to one nap late.)
+# length costs no latency: naps grow to 20 ms within 0.1 s. (A nap never runs past
+# the next timer: timeout checks and shutdown's collectives keep their pace.)
 IDLE_CAPS_ALL_RING = ((0.01, 0.004), (0.1, 0.02))
 # A sender waits at most this long for the MPI lock, then hands off (see send).
 SEND_LOCK_WAIT_S = 0.001
@@ -89,8 +89,9 @@ class _Backoff:
     def reset(self) -> None:
         self._delay = BACKOFF_MIN_S
 
-    def sleep(self, idle_for: float) -> None:
-        self._bell.wait(self._delay)
+    def sleep(self, idle_for: float, limit: float) -> None:
+        """Nap (at most ``limit`` seconds), then lengthen the next nap."""
+        self._bell.wait(min(self._delay, limit))
         cap = BACKOFF_MAX_S
         for after, longer_cap in self._caps:
             if idle_for > after:
@@ -309,7 +310,7 @@ class Transport:
                 # 30%), so sleep longer and longer until traffic comes.
                 self._sleeping = True
                 if not self._outbox:
-                    backoff.sleep(now - self._last_activity)
+                    backoff.sleep(now - self._last_activity, self._until_next_timer(now))
                 self._sleeping = False
 
     def _locked_progress_once(self) -> bool:
@@ -440,6 +441,9 @@ class Transport:
     def _add_timer(self, deadline: float, fn: Callable[[], None]) -> None:
         self._timer_seq += 1
         heapq.heappush(self._timers, (deadline, self._timer_seq, fn))
+
+    def _until_next_timer(self, now: float) -> float:
+        return max(0.0, self._timers[0][0] - now) if self._timers else float("inf")
 
     def _fire_timers(self) -> None:
         timers = self._timers
