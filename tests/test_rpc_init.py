@@ -151,6 +151,22 @@ def test_world_size_that_disagrees_with_mpi_fails_init_everywhere(rpc_stopped):
     rpc.shutdown()
 
 
+def test_a_rank_with_another_torch_fails_init_everywhere(rpc_stopped, monkeypatch):
+    # Frames carry dtypes as indices into torch's dtype list: a rank whose list
+    # differs would read float32 tensors as something else.
+    from lightning_distgrad.rpc import _wire
+
+    if rpc_stopped.rank == 1:
+        monkeypatch.setattr(_wire, "DTYPE_TABLE", _wire.DTYPE_TABLE + ("torch.float128",))
+    message = init_error()
+    assert "rank 1 ('worker1'): its torch" in message
+    assert "install the same torch version on every rank" in message
+    monkeypatch.undo()
+    rpc.init_rpc()
+    assert_works(rpc_stopped.names)
+    rpc.shutdown()
+
+
 def test_wrong_argument_types_raise_type_error(rpc_stopped):
     with pytest.raises(TypeError, match="backend must be a member of BackendType"):
         rpc.init_rpc(backend="mpi")

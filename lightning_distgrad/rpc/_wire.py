@@ -183,6 +183,8 @@ def decode_payload(data: bytes, tensors: list[torch.Tensor]) -> Any:
 # 2.4 us per tensor, the index nothing. The same torch on every rank gives the same list.
 _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+#: What ranks must agree on to read each other's frames (``init_rpc`` checks it).
+DTYPE_TABLE = tuple(str(dtype) for dtype in _DTYPES)
 
 
 def tensor_bytes_view(t: torch.Tensor) -> np.ndarray:

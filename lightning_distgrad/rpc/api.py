@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from . import _core, _hooks
+from . import _core, _hooks, _wire
 from . import rref as _rref
 from ._abort import abort_mpi_job
 from ._agent import Agent, WorkerInfo
@@ -83,12 +83,15 @@ def init_rpc(name: str | None = None, backend: BackendType | None = None, rank: 
         problems.append(f"rank={rank} was passed but MPI says this process is rank {my_rank}")
     if world_size is not None and world_size != size:
         problems.append(f"world_size={world_size} was passed but the MPI job has {size} ranks")
-    everyone = comm.allgather((name, problems, options.device_maps))
-    _raise_init_problems([(n, ps) for n, ps, _ in everyone])
-    infos = [WorkerInfo(n, r) for r, (n, _, _) in enumerate(everyone)]
+    everyone = comm.allgather((name, problems, options.device_maps,
+                               (torch.__version__, _wire.DTYPE_TABLE)))
+    first_torch = everyone[0][3]
+    _raise_init_problems([(n, ps + _torch_problems(torch_build, first_torch))
+                          for n, ps, _, torch_build in everyone])
+    infos = [WorkerInfo(n, r) for r, (n, _, _, _) in enumerate(everyone)]
     rank_of = {info.name: info.id for info in infos}
     # Checked before the agent exists: raising later left a running agent behind.
-    for src, (_, _, maps) in enumerate(everyone):
+    for src, (_, _, maps, _) in enumerate(everyone):
         for dst_name in maps:
             if dst_name not in rank_of:
                 raise ValueError(f"rank {src} set a device map for unknown worker {dst_name!r}")
@@ -97,7 +100,7 @@ def init_rpc(name: str | None = None, backend: BackendType | None = None, rank: 
     agent = Agent(comm, infos, my_rank, options.rpc_timeout, options.num_worker_threads,
                   on_arrival=lambda src, frame: [context.add_fork(*f) for f in frame.forks],
                   on_control=lambda src, body: _on_control(context, src, body))
-    for src, (_, _, maps) in enumerate(everyone):
+    for src, (_, _, maps, _) in enumerate(everyone):
         for dst_name, mapping in maps.items():
             agent.device_maps[src][rank_of[dst_name]] = mapping
     # Current first, then receiving: requests from faster peers may arrive at once.
@@ -112,6 +115,14 @@ def _on_control(rrefs: _rref.RRefContext, src: int, body: tuple) -> None:
         _hooks.get().on_control(src, body[1:])
     else:
         rrefs.on_control(body)
+
+
+def _torch_problems(torch_build: tuple, first: tuple) -> list[str]:
+    """Frames name dtypes by their index in torch's dtype list: it must match rank 0's."""
+    if torch_build[1] == first[1]:
+        return []
+    return [f"its torch ({torch_build[0]}) has other dtypes than rank 0's ({first[0]}); "
+            "install the same torch version on every rank"]
 
 
 def _raise_init_problems(everyone: list) -> None:
