@@ -39,9 +39,10 @@ _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _local = threading.local()
 
 # A torch operator pickles as ``getattr(torch._C._VariableFunctionsClass, "add")``:
-# 7 us per message here, as much as the rest of a small request. Functions that
-# are plain references (bound to no object) are pickled once and travel as
-# those bytes, a persistent id; the receiver unpickles each such reference once.
+# 7 us per message here, as much as the rest of a small request. Builtin
+# functions that are plain references (bound to no object, or to a module or a
+# class) are pickled once and travel as those bytes, a persistent id; the
+# receiver unpickles each such reference once.
 _function_bytes: dict[Any, bytes] = {}
 _functions: dict[bytes, Any] = {}
 
@@ -267,8 +268,9 @@ def allocate_tensor(meta: tuple, pool: ReceiveBufferPool | None = None) -> torch
         if not nbytes:
             return torch.empty(shape, dtype=dtype)
         flat = torch.frombuffer(inline, dtype=dtype)
-        # view(*shape) costs half of view(shape); a 1-d tensor needs none
-        return flat if len(shape) == 1 else flat.view(*shape) if shape else flat.view(())
+        if len(shape) == 1:
+            return flat
+        return flat.view(*shape) if shape else flat.view(())  # view(*shape): half the cost
     if pool is not None and nbytes >= pool.min_bytes:
         return torch.from_numpy(pool.take(nbytes)).view(dtype).view(shape)
     return torch.empty(shape, dtype=dtype)
