@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from _dist_utils import wait_until
 from mpi4py import MPI
 
 from lightning_distgrad.rpc._doorbell import Doorbell, LocalBell
@@ -137,11 +138,18 @@ class _RecordingBell(LocalBell):
         self.rung.append("self")
 
 
-def _drain_sends(transport: Transport) -> None:
-    deadline = time.monotonic() + 60
-    while transport._sends:  # a send completes once its receive matches
-        assert time.monotonic() < deadline, "the frame was never received"
+def _poll_until(transport: Transport, done) -> bool:
+    """Drive ``transport`` by hand (its progress thread is not started) until ``done()``."""
+    def polled() -> bool:
         transport._locked_progress_once()
+        return done()
+
+    return wait_until(polled, timeout=60, interval=0.0005)
+
+
+def _drain_sends(transport: Transport) -> None:
+    # A send completes once its receive matches.
+    assert _poll_until(transport, lambda: not transport._sends), "the frame was never received"
 
 
 def test_a_frame_to_ourselves_wakes_our_own_napping_progress_thread():
@@ -168,10 +176,7 @@ def test_posting_a_frame_rings_its_destination(mpi_comm):
             assert transport._bell.rung == [1]
             _drain_sends(transport)
         elif transport.rank == 1:
-            deadline = time.monotonic() + 60
-            while not delivered:
-                assert time.monotonic() < deadline, "no frame from rank 0"
-                transport._locked_progress_once()
+            assert _poll_until(transport, lambda: bool(delivered)), "no frame from rank 0"
             assert delivered == [0] and transport._bell.rung == []
     finally:
         transport._bell = own

@@ -7,6 +7,7 @@ import pickle
 
 import torch
 
+from lightning_distgrad.rpc import _wire
 from lightning_distgrad.rpc._wire import (
     ReceiveBufferPool,
     allocate_tensor,
@@ -80,8 +81,6 @@ def test_a_tensor_that_occurs_twice_travels_once_and_arrives_as_one():
 
 
 def test_operators_travel_as_cached_references_and_bound_methods_with_their_object():
-    from lightning_distgrad.rpc import _wire
-
     items = [1, 2]
     payload, tensors, _ = encode_payload((torch.add, math.sqrt, items.append), 0)
     op, sqrt, append = decode_payload(payload, tensors)
