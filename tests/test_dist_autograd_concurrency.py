@@ -79,11 +79,25 @@ def async_add_then_local_mul(t, first):
     return fut.then(lambda f: f.wait() * 2)
 
 
+def slow_add_one(t):
+    time.sleep(0.2)
+    return t + 1
+
+
+_CONTINUATION: dict[str, bool] = {}
+
+
 @rpc.functions.async_execution
 def async_add_then_mul(t, first, second):
     """The continuation runs on another thread and makes an RPC: it must carry the context."""
-    fut = rpc.rpc_async(first, torch.add, (t, 1))
+    fut = rpc.rpc_async(first, slow_add_one, (t,))
+    # Still running: ``then`` cannot run the callback right here, on the request's thread.
+    _CONTINUATION["attached_before_done"] = not fut.done()
     return fut.then(lambda f: rpc.rpc_sync(second, torch.mul, (f.wait(), 2)))
+
+
+def continuation_attached_before_done():
+    return _CONTINUATION.pop("attached_before_done")
 
 
 # ---------------------------------------------------------------------------
@@ -217,18 +231,14 @@ def test_async_udf_continuation_result_carries_gradients(rpc_world):
                                    torch.full((3, 3), 2.0))
 
 
-@pytest.mark.xfail(strict=True, reason="LIMITATION: a continuation (Future.then callback) of an "
-                   "async UDF runs on another thread without the request's current context, so "
-                   "an RPC it makes carries no context and the gradient chain breaks (the "
-                   "result does not require grad). torch's thread-local context likely has the "
-                   "same gap; the design notes (2.1) ask callbacks to restore it")
 def test_context_in_async_udf_continuation(rpc_world):
     """An ``@async_execution`` UDF whose ``then`` callback makes a nested RPC on another thread:
-    the callback must run in the caller's context, or the gradient chain breaks."""
+    the callback runs in the context of the RPC it continues, so the gradient chain holds."""
     world = rpc_world
     t = torch.rand(3, 3, requires_grad=True)
     with dist_autograd.context() as context_id:
         ret = rpc.rpc_sync(world.peer(1), async_add_then_mul, (t, world.peer(2), world.peer(1)))
+        assert rpc.rpc_sync(world.peer(1), continuation_attached_before_done)
         torch.testing.assert_close(ret, (t.detach() + 1) * 2)
         assert ret.requires_grad
         dist_autograd.backward(context_id, [ret.sum()])

@@ -227,6 +227,10 @@ class _AutogradHooks(_hooks.AutogradHooks):
             return None  # released already: run without recording
         return meta[0]
 
+    def current_context(self) -> int | None:
+        cont = _engine._container
+        return cont.current_id() if cont is not None else None
+
     def call_in(self, ctx_id: int | None, fn: Callable[..., Any], *args: Any) -> Any:
         cont = _engine._container
         previous = cont.current_id() if cont is not None else ctx_id

@@ -130,12 +130,13 @@ def _decode_and_call(payload: bytes, tensors: list) -> tuple[Callable, Any]:
 
 
 class _Pending:
-    __slots__ = ("future", "dst", "user_visible", "deadline", "timeout")
+    __slots__ = ("future", "dst", "user_visible", "ctx_id", "deadline", "timeout")
 
-    def __init__(self, future, dst, user_visible, timeout):
+    def __init__(self, future, dst, user_visible, ctx_id, timeout):
         self.future = future
         self.dst = dst
         self.user_visible = user_visible
+        self.ctx_id = ctx_id  # the caller's autograd context: its callbacks run in it
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout if timeout > 0 else None
 
@@ -198,7 +199,8 @@ class Agent:
         pctx.commit()
         future = torch.futures.Future()
         call_id = next(self._ids)
-        pending = _Pending(future, dst, user_visible, timeout)
+        ctx_id = _hooks.get().current_context() if user_visible else None
+        pending = _Pending(future, dst, user_visible, ctx_id, timeout)
         self._pending[call_id] = pending
         if pending.deadline is not None:
             self._watch_deadline(pending.deadline, call_id)
@@ -316,7 +318,9 @@ class Agent:
         future = pending.future
         setter = future.set_result if ok else lambda exc: set_error(future, exc)
         if pending.user_visible:
-            self._callbacks.submit(setter, value)
+            # ``then`` callbacks run in the caller's autograd context, as if on its
+            # thread: an RPC they make (an async UDF's continuation) stays recorded.
+            self._callbacks.submit(_hooks.get().call_in, pending.ctx_id, setter, value)
         else:
             setter(value)
 

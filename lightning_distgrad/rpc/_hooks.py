@@ -43,6 +43,10 @@ class AutogradHooks:
         """The autograd context id carried by ``meta`` (None if none)."""
         return None
 
+    def current_context(self) -> int | None:
+        """The calling thread's current autograd context id (None if none)."""
+        return None
+
     def call_in(self, ctx_id: int | None, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` (a request) with ``ctx_id`` as this thread's current context."""
         return fn(*args)
