@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from _dist_utils import wait_until
 
 from lightning_distgrad import rpc
 from lightning_distgrad.rpc import WorkerInfo
@@ -54,6 +55,27 @@ def chain(path, x):
 def nested_remote(to, x):
     """Creates an RRef on ``to`` from inside a remote function and fetches it."""
     return rpc.remote(to, torch.mul, (x, 2)).to_here()
+
+
+_RELEASES: dict[str, threading.Event] = {}
+RELEASE_TIMEOUT_S = 20.0
+
+
+def wait_for_release(key):
+    """Blocks the thread that serves it until a later request runs ``release(key)``."""
+    return _RELEASES.setdefault(key, threading.Event()).wait(RELEASE_TIMEOUT_S)
+
+
+def is_waiting(key):
+    return key in _RELEASES
+
+
+def release(key):
+    _RELEASES.setdefault(key, threading.Event()).set()
+
+
+def serving_thread_name():
+    return threading.current_thread().name
 
 
 @rpc.functions.async_execution
@@ -209,6 +231,19 @@ def test_nested_rpc_from_inside_remote_function(rpc_world):
     third = rpc_world.peer(2)  # itself on 2 ranks
     assert torch.equal(rpc.rpc_sync(rpc_world.peer(), rpc_back, (third, x)), x + 1)
     assert torch.equal(rpc.rpc_sync(rpc_world.peer(), nested_remote, (third, x)), x * 2)
+
+
+def test_a_request_may_block_until_a_later_request_releases_it(rpc_world):
+    """The peer's progress thread runs the first request itself (its main thread waits in
+    a barrier, driving nothing); while it blocks, a stand-in polls in its place and the
+    second request, which releases the first, gets served on the worker pool."""
+    if rpc_world.rank == 0:
+        peer = rpc_world.peer()
+        assert rpc.rpc_sync(peer, serving_thread_name) == "distgrad-progress"
+        blocked = rpc.rpc_async(peer, wait_for_release, ("first",))
+        assert wait_until(lambda: rpc.rpc_sync(peer, is_waiting, ("first",)))
+        rpc.rpc_sync(peer, release, ("first",))
+        assert blocked.wait() is True, "the releasing request was not served in time"
 
 
 def test_nested_rpc_chain_through_every_worker(rpc_world):

@@ -156,7 +156,7 @@ def test_a_frame_to_ourselves_wakes_our_own_napping_progress_thread():
     transport = Transport(MPI.COMM_SELF, lambda source, frame, tensors: None)
     own, transport._bell = transport._bell, _RecordingBell()
     try:
-        transport._sleeping = True  # as while the progress thread naps
+        transport._sleepers.add(0)  # as while the progress thread naps
         transport.send(0, Frame(CONTROL, -1, b"", (), "body"), [])
         assert transport._bell.rung == ["self"]
     finally:

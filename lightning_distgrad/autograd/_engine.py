@@ -456,7 +456,9 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
 def _wait_for_credit(p: _Pass) -> None:
     """Wait (driving MPI progress) until all credit is back or the RPC timeout passes."""
     agent = _core.require_agent()
-    if not agent.wait_done(p.finished, agent.timeout):
+    # This pass's gradient messages to the root run on this thread: they are what it
+    # waits for (a pool thread's wake-up cost more than the message's work).
+    if not agent.wait_done(p.finished, agent.timeout, key=p.pass_id):
         p.expire(agent.timeout)
 
 
@@ -554,7 +556,8 @@ def _ship(p: _Pass, messages: list[tuple[int, list]], credit: Fraction) -> None:
         carried = report if peer == root else None
         try:
             agent.notify(peer, _propagate_gradients,
-                         (context_id, items, p.retain_graph, p.pass_id, _on_wire(share), carried))
+                         (context_id, items, p.retain_graph, p.pass_id, _on_wire(share), carried),
+                         key=p.pass_id)
         except Exception as e:  # never sent: its credit and report come back here
             kept += share
             error = error or _wrap_error(me, e).with_traceback(e.__traceback__)

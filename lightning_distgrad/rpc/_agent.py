@@ -2,16 +2,17 @@
 
 Three frame kinds travel between agents:
 
-* REQUEST: ``(func, args, kwargs)``; the callee runs it on its worker pool and
-  always answers with one RESPONSE (a result or a remote error). A torch
-  operator on small tensors (QUICK_REQUEST) runs right where the frame is
-  handed over instead: it cannot issue RPCs or block, and a pool hand-off would
-  cost more than the operator;
+* REQUEST: ``(func, args, kwargs)``; the callee always answers with one
+  RESPONSE (a result or a remote error). The progress thread runs it itself
+  when it can (a stand-in polls meanwhile if it runs long, see
+  ``Transport.run_here``), else the worker pool does. A torch operator on small
+  tensors (QUICK_REQUEST) runs right where the frame is handed over, on any
+  thread: it cannot issue RPCs or block;
 * RESPONSE: ``(ok, value)`` for one call id; decoded by the thread driving
   progress (internal futures complete there, user-visible ones on a pool);
 * CONTROL: bookkeeping applied on arrival, in order, by the thread driving
   progress (RRef fork deletes): never runs user code and never blocks;
-* NOTIFY: ``(func, args, kwargs)`` run on the worker pool like a REQUEST, but
+* NOTIFY: ``(func, args, kwargs)`` run like a REQUEST, but
   nobody waits for it and no RESPONSE goes back (distributed autograd's
   gradient messages, which report completion their own way).
 
@@ -212,18 +213,21 @@ class Agent:
                                           (), meta, forks), tensors, devices)
         return future
 
-    def notify(self, dst_id: int, func: Callable, args: tuple) -> None:
-        """Run ``func(*args)`` on ``dst_id``'s worker pool; nothing answers.
+    def notify(self, dst_id: int, func: Callable, args: tuple, key: Any = None) -> None:
+        """Run ``func(*args)`` on ``dst_id``; nothing answers.
 
-        Never recorded by distributed autograd. An error in ``func`` can only
-        be printed on ``dst_id``: ``func`` must report its outcome itself.
+        For the library's own functions only: one sent with a ``key`` runs on
+        the thread of ``dst_id`` that waits with that key (:meth:`wait_done`),
+        a user's thread, so it must leave no thread state behind. Never recorded
+        by distributed autograd. An error in ``func`` can only be printed on
+        ``dst_id``: ``func`` must report its outcome itself.
         """
         dst = self.infos[dst_id]
         payload, tensors, pctx = self._encode((func, args, {}), dst, func)
         devices = self._devices(tensors, dst_id, self.device_maps[self.info.id][dst_id])
         pctx.commit()
         self._count_sent()
-        self.transport.send(dst_id, Frame(NOTIFY, -1, payload, (), None,
+        self.transport.send(dst_id, Frame(NOTIFY, -1, payload, (), key,
                                           tuple(pctx.arrival_forks)), tensors, devices)
 
     def send_control(self, dst_id: int, body: Any) -> None:
@@ -291,7 +295,10 @@ class Agent:
             self._on_response(source, frame, tensors)
         elif frame.kind == REQUEST or frame.kind == NOTIFY:
             self.transport.busy(+1)
-            self._pool.submit(self._serve, source, frame, tensors)
+            serve = lambda: self._serve(source, frame, tensors)  # noqa: E731
+            if not self.transport.run_here(serve, frame.autograd if frame.kind == NOTIFY
+                                           else None):
+                self._pool.submit(serve)
         elif frame.kind == QUICK_REQUEST:
             self._run_request(source, frame, tensors)
         else:
@@ -329,7 +336,7 @@ class Agent:
     def _serve(self, source: int, frame: Frame, tensors: list) -> None:
         try:
             if frame.kind == NOTIFY:
-                self._run_notification(source, frame, tensors)
+                self._run_notification(frame, tensors)
             else:
                 self._run_request(source, frame, tensors)
         finally:
@@ -337,7 +344,7 @@ class Agent:
 
     @staticmethod
     def _call(source: int, frame: Frame, tensors: list) -> tuple[int | None, Callable, Any]:
-        """Run the function of a REQUEST or NOTIFY; returns (context id, function, result)."""
+        """Run the function of a REQUEST; returns (context id, function, result)."""
         hooks = _hooks.get()
         ctx_id = hooks.context_of(frame.autograd)
         tensors = hooks.incoming(frame.autograd, source, tensors)
@@ -348,9 +355,11 @@ class Agent:
         return (ctx_id, *hooks.call_in(ctx_id, _hooks.with_grad, _decode_and_call,
                                        frame.payload, tensors))
 
-    def _run_notification(self, source: int, frame: Frame, tensors: list) -> None:
+    def _run_notification(self, frame: Frame, tensors: list) -> None:
+        # Never recorded, and outside any context (it may run on a user's thread).
         try:
-            self._call(source, frame, tensors)
+            _hooks.get().call_in(None, _hooks.with_grad, _decode_and_call, frame.payload,
+                                 tensors)
         except BaseException:
             traceback.print_exc()  # nobody waits for an answer: say it here
         finally:
@@ -417,8 +426,11 @@ class Agent:
             self.transport.drive_until(future.done)
         return future.wait()
 
-    def wait_done(self, future: torch.futures.Future, timeout: float) -> bool:
-        """Wait at most ``timeout`` s (<= 0: no limit) for ``future``; True if it is done."""
+    def wait_done(self, future: torch.futures.Future, timeout: float, key: Any = None) -> bool:
+        """Wait at most ``timeout`` s (<= 0: no limit) for ``future``; True if it is done.
+
+        NOTIFYs sent with ``key`` (not None) that arrive meanwhile run on this thread.
+        """
         if future.done():
             return True
         if timeout > 0:
@@ -426,7 +438,7 @@ class Agent:
             done = lambda: future.done() or time.monotonic() >= deadline  # noqa: E731
         else:
             done = future.done
-        if not self.transport.drive_until(done):  # another thread drives
+        if not self.transport.drive_until(done, key):  # another thread drives
             finished = threading.Event()
             future.add_done_callback(lambda _: finished.set())
             finished.wait(timeout if timeout > 0 else None)

@@ -9,6 +9,10 @@ yields for a short hot window, then sleeps with an exponential backoff capped
 at 1-4 ms (mpi4py.futures style). Senders on the same node cut the sleep short
 with a doorbell (see ``_doorbell``).
 
+The progress thread runs the request handlers it hands over itself (see
+``run_here``); while one runs longer than 1 ms, a stand-in thread polls in its
+place, so a handler may block, wait for RPCs or compute for long.
+
 Communicators (all duplicates of the user's, so no one else's traffic can
 match ours): ``ctrl`` carries frames (probed with ANY_SOURCE), ``data`` carries
 tensor bytes matched by exact (source, tag), ``coll`` carries the shutdown
@@ -56,6 +60,13 @@ IDLE_CAPS = ((0.05, 0.002), (0.5, 0.004))
 # length costs no latency: naps grow to 20 ms within 0.1 s. (A nap never runs past
 # the next timer: timeout checks and shutdown's collectives keep their pace.)
 IDLE_CAPS_ALL_RING = ((0.01, 0.004), (0.1, 0.02))
+# The progress thread runs requests itself; one that runs longer than this gets a
+# stand-in poller. The stand-in checks that often while requests come, and at
+# the slower pace once none came for STAND_IN_QUIET_S.
+STAND_IN_AFTER_S = 0.001
+STAND_IN_CHECK_S = 0.001
+STAND_IN_IDLE_CHECK_S = 0.02
+STAND_IN_QUIET_S = 0.1
 # A sender waits at most this long for the MPI lock, then hands off (see send).
 SEND_LOCK_WAIT_S = 0.001
 
@@ -145,11 +156,19 @@ class Transport:
         # Below SERIALIZED only the progress thread may call MPI.
         self._any_thread_may_send = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
         self._on_frame = on_frame
+        # Requests run by the thread that hands them over (see run_here): the one
+        # taken, with its taker's ident; (start time,) while the progress thread runs one.
+        self._handler: tuple[int, Callable[[], None]] | None = None
+        self._handling: tuple[float] | None = None
+        self._last_handler_end = 0.0
+        self._stand_in_wake = threading.Lock()
+        self._stand_in_wake.acquire()
         self._mpi_lock = threading.Lock()
         self._lock_owner: int | None = None  # ident of the thread inside _progress_once
         self._outbox: collections.deque = collections.deque()
-        self._sleeping = False
+        self._sleepers: set[int] = set()  # idents of napping polling threads
         self._driver: int | None = None  # ident of a thread driving progress
+        self._driver_key: Any = None  # handlers with this key may run on the driver
         self._busy = 0  # request handlers running: the progress thread must not spin
         self._busy_lock = threading.Lock()
         self._send_seq = [0] * self.size
@@ -166,10 +185,14 @@ class Transport:
         self._last_activity = time.monotonic()
         self._thread = threading.Thread(target=self._progress_loop, name="distgrad-progress",
                                         daemon=True)
+        self._stand_in = threading.Thread(target=self._stand_in_loop, daemon=True,
+                                          name="distgrad-progress-stand-in")
 
     def start(self) -> None:
         """Start the progress thread (once the owner is ready for ``on_frame``)."""
         self._thread.start()
+        if self._any_thread_may_send:
+            self._stand_in.start()
 
     # -- called from any thread -------------------------------------------------
 
@@ -211,8 +234,12 @@ class Transport:
         self._outbox.append(item)
         self._kick()
 
-    def drive_until(self, done: Callable[[], bool]) -> bool:
-        """Drive progress on this thread until ``done()``; False if another thread drives."""
+    def drive_until(self, done: Callable[[], bool], key: Any = None) -> bool:
+        """Drive progress on this thread until ``done()``; False if another thread drives.
+
+        Handlers handed over with ``key`` (not None) run here (see :meth:`run_here`):
+        the work this thread waits for (a backward pass's gradients at its root).
+        """
         me = threading.get_ident()
         if not self._any_thread_may_send or self._driver is not None:
             return False
@@ -221,8 +248,9 @@ class Transport:
             # recorded) must not inherit the caller's torch.no_grad(), inference mode
             # or autocast: they belong to other threads and other ranks.
             with _default_modes():
-                return self.drive_until(done)
+                return self.drive_until(done, key)
         self._driver = me
+        self._driver_key = key
         delay = BACKOFF_MIN_S
         try:
             while not done():
@@ -238,8 +266,36 @@ class Transport:
         finally:
             # The progress thread takes over again at its next check (<= 1 ms);
             # waking it now would only make it fight the caller for the GIL.
-            self._driver = None
+            if self._driver == me:
+                self._driver = None
             self._last_activity = time.monotonic()
+        return True
+
+    def run_here(self, handler: Callable[[], None], key: Any = None) -> bool:
+        """From ``on_frame``: run ``handler`` (a request) on this thread; False if this
+        thread may not (use a pool then).
+
+        The progress thread may; a driver may if it waits for handlers with this
+        ``key`` (the library's own work, which leaves no thread state behind: the
+        driver is a user's thread; and only the work it waits for, or a slow
+        handler of another pass would hold up its wait and its timeout).
+        The handler runs as soon as this delivery step ends; later frames are
+        handed over, in order, by whoever polls meanwhile. A hand-off to a pool
+        thread cost about 190 us per request on a 2-core VM (the thread's
+        wake-up, then two threads trading the GIL); most handlers take tens of
+        us. While the progress thread runs a handler for longer than
+        ``STAND_IN_AFTER_S``, a stand-in polls in its place; while a driver runs
+        one, the progress thread polls. So a handler may block, compute for long
+        or wait for anything a later frame brings.
+        """
+        me = threading.get_ident()
+        if self._driver is None:
+            allowed = me == self._thread.ident
+        else:  # not the progress thread driving inside its own handler (a nested wait)
+            allowed = me == self._driver and key is not None and key == self._driver_key
+        if not allowed or not self._any_thread_may_send or self._handler is not None:
+            return False
+        self._handler = (me, handler)
         return True
 
     def busy(self, delta: int) -> None:
@@ -265,6 +321,9 @@ class Transport:
         self._running = False
         self._kick()
         self._thread.join()
+        if self._stand_in.is_alive():
+            self._stand_in_wake.release()
+            self._stand_in.join()
 
     def free(self) -> None:
         for comm in (self.ctrl, self.data, self.coll):
@@ -272,14 +331,14 @@ class Transport:
         self._bell.close()
 
     def _kick(self) -> None:
-        if self._sleeping:
+        if self._sleepers:
             self._bell.ring_self()
 
     # -- progress ---------------------------------------------------------------
 
-    def _progress_loop(self) -> None:
+    def _progress_loop(self, until: Callable[[], bool] | None = None) -> None:
         try:
-            self._progress_forever()
+            self._progress_until(until or self._stopped)
         except BaseException:
             # A dead progress thread would leave every rank waiting forever:
             # fail-stop instead, with the cause on stderr.
@@ -287,9 +346,14 @@ class Transport:
             abort_mpi_job(f"lightning_distgrad: RPC progress thread failed on rank "
                           f"{self.rank}; aborting the MPI job.\n")
 
-    def _progress_forever(self) -> None:
+    def _stopped(self) -> bool:
+        return not (self._running or self._outbox or self._sends)
+
+    def _progress_until(self, finished: Callable[[], bool]) -> None:
+        """The polling loop of the progress thread (and of its stand-ins)."""
         backoff = _Backoff(self._bell, IDLE_CAPS_ALL_RING if self._all_ring else IDLE_CAPS)
-        while self._running or self._outbox or self._sends:
+        me = threading.get_ident()
+        while not finished():
             if self._driver is not None:
                 # The driver posts the outbox too, and answers the doorbell.
                 time.sleep(BACKOFF_MAX_S)
@@ -308,10 +372,10 @@ class Transport:
                 # Idle, or request handlers running: they need the CPU and the
                 # GIL more than we do (a 50 us poll slowed a 16 ms torch.add by
                 # 30%), so sleep longer and longer until traffic comes.
-                self._sleeping = True
+                self._sleepers.add(me)
                 if not self._outbox:
                     backoff.sleep(now - self._last_activity, self._until_next_timer(now))
-                self._sleeping = False
+                self._sleepers.discard(me)
 
     def _locked_progress_once(self) -> bool:
         with self._mpi_lock:
@@ -322,7 +386,44 @@ class Transport:
                 self._lock_owner = None
         if self._ready:
             self._deliver_ready()
+            taken = self._handler
+            if taken is not None and taken[0] == threading.get_ident():
+                self._handler = None
+                self._run_handler(taken[1])
         return progressed
+
+    def _run_handler(self, handler: Callable[[], None]) -> None:
+        """Run a request taken by :meth:`run_here` while another thread can poll."""
+        me = threading.get_ident()
+        driving = self._driver == me
+        if driving:
+            self._driver = None  # the progress thread polls meanwhile
+        else:
+            self._handling = (time.monotonic(),)  # a fresh tuple: this run's token
+        try:
+            handler()
+        except Exception:  # the handler's own failure: not the poller's
+            traceback.print_exc()
+        finally:
+            if not driving:
+                self._handling = None
+                self._last_handler_end = time.monotonic()
+            elif self._driver is None:
+                self._driver = me
+
+    def _stand_in_loop(self) -> None:
+        """Poll in the progress thread's place while it runs a long handler.
+
+        Checks every ``STAND_IN_CHECK_S`` while handlers run here, and every
+        ``STAND_IN_IDLE_CHECK_S`` after a quiet spell (no CPU to speak of).
+        """
+        while self._running:
+            quiet = time.monotonic() - self._last_handler_end > STAND_IN_QUIET_S
+            self._stand_in_wake.acquire(
+                timeout=STAND_IN_IDLE_CHECK_S if quiet else STAND_IN_CHECK_S)
+            handling = self._handling
+            if handling is not None and time.monotonic() - handling[0] >= STAND_IN_AFTER_S:
+                self._progress_loop(lambda h=handling: self._handling is not h or not self._running)
 
     def _deliver_ready(self) -> None:
         """Hand over complete frames, outside the MPI lock, in arrival order.
@@ -333,9 +434,10 @@ class Transport:
         delivering, it takes these items too (it re-checks before leaving).
         """
         ready = self._ready
-        while ready and self._deliver_lock.acquire(blocking=False):
+        while ready and self._handler is None and self._deliver_lock.acquire(blocking=False):
             try:
-                while ready:
+                # Stops after a frame whose request this (progress) thread took.
+                while ready and self._handler is None:
                     item = ready.popleft()
                     if callable(item):
                         item()

@@ -72,7 +72,7 @@ class Frame(NamedTuple):
     payload: bytes
     # One (dtype code, shape, nbytes, inline bytes or None, device) per tensor.
     metas: tuple = ()
-    # Distributed-autograd metadata, or the body of a CONTROL frame.
+    # Distributed-autograd metadata, the body of a CONTROL frame, or a NOTIFY's key.
     autograd: Any = None
     # RRef forks the receiver registers on arrival, before later frames run.
     forks: tuple = ()
