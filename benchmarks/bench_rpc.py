@@ -28,7 +28,9 @@ What is measured, per round and backend (rounds interleave backends: mpi, py, ou
    back) for float32 tensors of 8 B .. 64 MiB, after a warm-up; per-size median; at the largest
    size also ``rpc_sync("worker1", echo, (t,))`` (``echo`` returns its argument): the tensor's
    plain round trip, what raw MPI does (the add of 64 MiB alone costs about as much as both
-   copies, page faults of its fresh result included); and ``rpc_async(...).wait()`` of the 8 B
+   copies, page faults of its fresh result included); the same ``echo`` of the 8 B tensor (a
+   Python function, the path of user functions, where torch operators take a shortcut); and
+   ``rpc_async(...).wait()`` of the 8 B
    add after 20 ms without traffic (an idle agent naps, so the first call after a quiet spell
    pays for waking it);
 3. idle CPU: agent initialised, both main threads sleep 2 s, ``time.process_time()`` delta / wall;
@@ -407,6 +409,7 @@ def time_sizes(backend: Backend, plan: list[tuple[int, int, int]]) -> dict[int, 
             samples.append(time.perf_counter() - t0)
         out[nbytes] = summarize(samples)
     out["echo"] = time_echo(backend, t, iters)
+    out["echo_small"] = time_echo(backend, torch.ones(plan[0][0] // 4), iters)
     out["after_quiet"] = time_after_quiet(backend, torch.ones(plan[0][0] // 4), iters)
     return out
 
@@ -588,9 +591,9 @@ def aggregate(steps0: list[dict], steps1: list[dict], names, sizes):
         echoes = [(steps0[i]["rtt"].get("echo") or steps0[i]["rtt"][sizes[-1]])["median"]
                   for i in ok if sizes[-1] in steps0[i]["rtt"]]
         b["echo"] = med(echoes) if echoes else None
-        quiet = [steps0[i]["rtt"]["after_quiet"]["median"] for i in ok
-                 if steps0[i]["rtt"].get("after_quiet")]
-        b["after_quiet"] = med(quiet) if quiet else None
+        for key in ("after_quiet", "echo_small"):
+            found = [steps0[i]["rtt"][key]["median"] for i in ok if steps0[i]["rtt"].get(key)]
+            b[key] = med(found) if found else None
         b["init_s"] = med([steps0[i]["init_s"] for i in ok])
         b["shutdown_s"] = med([steps0[i]["shutdown_s"] for i in ok])
         for rank, steps in ((0, steps0), (1, steps1)):
@@ -647,6 +650,11 @@ def print_report(summary: dict, names: list[str], sizes: list[int], skipped: dic
     p(row)
     p("  (echo: rpc_sync(echo, (t,)) returns t unchanged, the tensor's plain round trip;"
       " raw MPI's row above is one)")
+    small = {c: summary[c].get("echo_small") if have[c] else None for c in cols}
+    row = f"{size_label(sizes[0]) + ' fn':>8} " + "".join(f"{fmt_time(small[c]):>13}" for c in cols)
+    p(row + f"{ratio(small.get('ours'), small.get('tp')):>9}")
+    p(f"  (fn: rpc_sync(echo, ({size_label(sizes[0])} tensor,)), a Python function: "
+      "the path of user functions)")
     quiet = {c: summary[c].get("after_quiet") if have[c] else None for c in cols}
     row = f"{'quiet':>8} " + "".join(f"{fmt_time(quiet[c]):>13}" for c in cols)
     p(row + f"{ratio(quiet.get('ours'), quiet.get('tp')):>9}")

@@ -9,6 +9,8 @@ gradients both locally and through RPCs).
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -642,6 +644,36 @@ def test_hook_on_a_leaf_reached_through_a_nested_round_trip(rpc_world):
         assert len(seen) == 1
         torch.testing.assert_close(seen[0], expected[0])
         assert_grads_match(dist_autograd.get_gradients(context_id), [t1, t2], expected)
+
+
+class RecordBackwardThread(torch.autograd.Function):
+    """Identity whose backward notes the thread it runs on."""
+
+    threads: list[str] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        RecordBackwardThread.threads.append(threading.current_thread().name)
+        return grad
+
+
+def test_gradients_coming_back_to_the_root_run_on_the_thread_that_waits(rpc_world):
+    """The root's part after a round trip (here a custom backward) runs on the thread that
+    called backward, as torch runs a local graph, not on a worker thread: it is the
+    work that thread waits for."""
+    RecordBackwardThread.threads.clear()
+    t1 = torch.rand(3, 3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        sent = RecordBackwardThread.apply(t1)
+        loss = rpc.rpc_sync(rpc_world.peer(), torch.mul, (sent, 3)).sum()
+        dist_autograd.backward(context_id, [loss])
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[t1],
+                                   torch.full((3, 3), 3.0))
+    assert RecordBackwardThread.threads == [threading.current_thread().name]
 
 
 @pytest.mark.xfail(strict=True, reason="BUG: the engine captures gradients at AccumulateGrad "
