@@ -210,3 +210,35 @@ def test_a_nap_never_runs_past_the_next_timer():
     while_pending = [(nap, left) for nap, left in naps if left != float("inf")]
     assert while_pending, "no nap was taken while the timer was pending"
     assert all(nap <= max(left, 0.0) + 0.001 for nap, left in while_pending), while_pending
+
+
+# ---------------------------------------------------------------------------
+# Handlers that a waiting thread waits for run on that thread
+
+
+def test_a_keyed_handler_another_thread_delivers_runs_on_the_waiting_driver():
+    """The progress thread may poll just as a thread starts waiting (driving) for the
+    work of ``key``: what it delivers for that key still runs on the waiting thread,
+    never on a pool thread (run_here used to refuse it there)."""
+    transport = Transport(MPI.COMM_SELF, lambda source, frame, tensors: None)
+    ran_on = []
+    done = threading.Event()
+
+    def handler() -> None:
+        ran_on.append(threading.current_thread().name)
+        done.set()
+
+    driver = threading.Thread(target=transport.drive_until, args=(done.is_set, "pass-1"),
+                              name="waiting-driver")
+    try:
+        driver.start()
+        wait_until(lambda: transport._driver == driver.ident)
+        assert not transport.run_here(handler, "another-pass")  # not what it waits for
+        assert transport.run_here(handler, "pass-1")
+        driver.join(60)
+        assert not driver.is_alive()
+        assert ran_on == ["waiting-driver"]
+        assert transport._driver is None and transport._driver_key is None
+    finally:
+        done.set()
+        transport.free()

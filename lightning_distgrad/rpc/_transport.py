@@ -168,7 +168,12 @@ class Transport:
         self._outbox: collections.deque = collections.deque()
         self._sleepers: set[int] = set()  # idents of napping polling threads
         self._driver: int | None = None  # ident of a thread driving progress
-        self._driver_key: Any = None  # handlers with this key may run on the driver
+        self._driver_key: Any = None  # handlers with this key run on the driver
+        # Handlers with the driver's key that another thread delivered (it polled
+        # just as the driver took over): the driver runs them. Guarded, with the
+        # driver's arrival and departure, by _driver_lock, so none is left behind.
+        self._driver_inbox: collections.deque = collections.deque()
+        self._driver_lock = threading.Lock()
         self._busy = 0  # request handlers running: the progress thread must not spin
         self._busy_lock = threading.Lock()
         self._send_seq = [0] * self.size
@@ -249,13 +254,19 @@ class Transport:
             # or autocast: they belong to other threads and other ranks.
             with _default_modes():
                 return self.drive_until(done, key)
-        self._driver = me
-        self._driver_key = key
+        with self._driver_lock:
+            if self._driver is not None:
+                return False
+            self._driver = me
+            self._driver_key = key
         delay = BACKOFF_MIN_S
+        inbox = self._driver_inbox
         try:
             while not done():
                 if self._locked_progress_once():
                     delay = BACKOFF_MIN_S
+                while inbox:
+                    self._run_handler(inbox.popleft())
                 if done():
                     break
                 if self.spin:
@@ -266,9 +277,15 @@ class Transport:
         finally:
             # The progress thread takes over again at its next check (<= 1 ms);
             # waking it now would only make it fight the caller for the GIL.
-            if self._driver == me:
-                self._driver = None
+            with self._driver_lock:
+                if self._driver == me:
+                    self._driver = None
+                self._driver_key = None
+                left = list(inbox)
+                inbox.clear()
             self._last_activity = time.monotonic()
+            for handler in left:  # delivered for this wait after it ended: ours all the same
+                self._run_handler(handler)
         return True
 
     def run_here(self, handler: Callable[[], None], key: Any = None) -> bool:
@@ -289,6 +306,13 @@ class Transport:
         or wait for anything a later frame brings.
         """
         me = threading.get_ident()
+        if key is not None and key == self._driver_key and me != self._driver:
+            # Another thread polled just as the driver took over (or while it runs a
+            # handler): what the driver waits for still runs on the driver.
+            with self._driver_lock:
+                if key == self._driver_key:
+                    self._driver_inbox.append(handler)
+                    return True
         if self._driver is None:
             allowed = me == self._thread.ident
         else:  # not the progress thread driving inside its own handler (a nested wait)
@@ -397,6 +421,7 @@ class Transport:
         me = threading.get_ident()
         driving = self._driver == me
         if driving:
+            key = self._driver_key  # kept: keyed frames delivered meanwhile wait for us
             self._driver = None  # the progress thread polls meanwhile
         else:
             self._handling = (time.monotonic(),)  # a fresh tuple: this run's token
@@ -408,8 +433,10 @@ class Transport:
             if not driving:
                 self._handling = None
                 self._last_handler_end = time.monotonic()
-            elif self._driver is None:
-                self._driver = me
+            else:
+                with self._driver_lock:  # a nested wait in the handler drove and left
+                    if self._driver is None:
+                        self._driver, self._driver_key = me, key
 
     def _stand_in_loop(self) -> None:
         """Poll in the progress thread's place while it runs a long handler.
