@@ -199,6 +199,16 @@ def test_rpc_async_returns_torch_future_with_working_then(rpc_world):
     assert done.wait(10)
 
 
+def test_a_then_callback_may_wait_for_another_rpc_async(rpc_world):
+    """The callback runs on the agent's callback thread; the future it waits for completes
+    on that thread too (wait() drives progress), not behind the callback itself."""
+    x = torch.ones(2)
+    peer = rpc_world.peer()
+    fut = rpc.rpc_async(peer, torch.add, (x, 1)).then(
+        lambda f: rpc.rpc_async(peer, torch.add, (f.wait(), 1)).wait())
+    assert torch.equal(fut.wait(), x + 2)
+
+
 def test_many_rpc_async_collected_together(rpc_world):
     futs = [rpc.rpc_async(rpc_world.names[i % rpc_world.size], torch.add, (torch.ones(3), i))
             for i in range(50)]

@@ -130,6 +130,26 @@ def _decode_and_call(payload: bytes, tensors: list) -> tuple[Callable, Any]:
     return func, func(*args, **kwargs)
 
 
+class _UserFuture(torch.futures.Future):
+    """The future of ``rpc_async``: ``wait()`` drives MPI progress on the waiting thread,
+    as ``rpc_sync`` does, and the response completes the future right there.
+
+    Otherwise the response would go from the progress thread to the callback
+    thread to the waiting thread: two thread wake-ups per call.
+    """
+
+    def __init__(self, transport: Transport):
+        super().__init__()
+        self._transport = transport
+        self.waiter: int | None = None  # ident of a thread driving progress in wait()
+
+    def wait(self) -> Any:
+        if not self.done():
+            self.waiter = threading.get_ident()
+            self._transport.drive_until(self.done)
+        return super().wait()
+
+
 class _Pending:
     __slots__ = ("future", "dst", "user_visible", "ctx_id", "deadline", "timeout")
 
@@ -166,8 +186,11 @@ class Agent:
         self._count_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(num_worker_threads, thread_name_prefix="distgrad-worker")
         # User-visible futures complete here, so `then` callbacks never run on
-        # the progress thread and never wait behind busy request handlers.
-        self._callbacks = ThreadPoolExecutor(1, thread_name_prefix="distgrad-callbacks")
+        # the progress thread and never wait behind busy request handlers. More
+        # than one thread: a callback may wait for another future of ours, whose
+        # completion must not queue behind it.
+        self._callbacks = ThreadPoolExecutor(num_worker_threads,
+                                             thread_name_prefix="distgrad-callbacks")
         self.transport = Transport(comm, self._on_frame)
         # Not started here: see :meth:`start`.
 
@@ -198,7 +221,7 @@ class Agent:
         devices = self._devices(tensors, dst.id, self.device_maps[self.info.id][dst.id])
         meta = _hooks.get().outgoing(dst.id, tensors, force_autograd)
         pctx.commit()
-        future = torch.futures.Future()
+        future = _UserFuture(self.transport) if user_visible else torch.futures.Future()
         call_id = next(self._ids)
         ctx_id = _hooks.get().current_context() if user_visible else None
         pending = _Pending(future, dst, user_visible, ctx_id, timeout)
@@ -324,12 +347,16 @@ class Agent:
     def _complete(self, pending: _Pending, ok: bool, value: Any) -> None:
         future = pending.future
         setter = future.set_result if ok else lambda exc: set_error(future, exc)
-        if pending.user_visible:
-            # ``then`` callbacks run in the caller's autograd context, as if on its
-            # thread: an RPC they make (an async UDF's continuation) stays recorded.
-            self._callbacks.submit(_hooks.get().call_in, pending.ctx_id, setter, value)
-        else:
+        if not pending.user_visible:
             setter(value)
+            return
+        # ``then`` callbacks run in the caller's autograd context, as if on its thread:
+        # an RPC they make (an async UDF's continuation) stays recorded. They run on
+        # a callback thread, unless the thread waiting in ``wait()`` got the response.
+        if future.waiter == threading.get_ident():
+            _hooks.get().call_in(pending.ctx_id, setter, value)
+        else:
+            self._callbacks.submit(_hooks.get().call_in, pending.ctx_id, setter, value)
 
     # -- serving (worker pool) ------------------------------------------------------
 

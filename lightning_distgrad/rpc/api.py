@@ -224,8 +224,9 @@ def rpc_async(to: str | int | WorkerInfo, func: Callable, args: tuple | None = N
               timeout: float = UNSET_RPC_TIMEOUT) -> torch.futures.Future:
     r"""Like :func:`rpc_sync` but returns a ``torch.futures.Future`` at once.
 
-    Callbacks added with ``then`` run on the agent's callback thread, never on
-    its progress thread.
+    Callbacks added with ``then`` run on the agent's callback threads (or on
+    the thread waiting in ``wait()`` if that thread received the response),
+    never on its progress thread, and in the autograd context of the caller.
 
     Example::
         >>> # xdoctest: +SKIP
