@@ -209,6 +209,19 @@ def test_a_then_callback_may_wait_for_another_rpc_async(rpc_world):
     assert torch.equal(fut.wait(), x + 2)
 
 
+def test_waiting_on_an_rpc_async_whose_callback_makes_an_rpc(rpc_world):
+    """wait() drives progress; the future completes (and its callbacks run) only after
+    the waiting thread stopped driving, so a callback that waits for an RPC of its own
+    can drive in turn (run inside the delivery, it would wait forever)."""
+    x = torch.ones(2)
+    peer = rpc_world.peer()
+    for _ in range(20):  # the callback is registered before or after the response
+        fut = rpc.rpc_async(peer, torch.add, (x, 1))
+        chained = fut.then(lambda f: rpc.rpc_sync(peer, torch.add, (f.wait(), 1)))
+        assert torch.equal(fut.wait(), x + 1)
+        assert torch.equal(chained.wait(), x + 2)
+
+
 def test_many_rpc_async_collected_together(rpc_world):
     futs = [rpc.rpc_async(rpc_world.names[i % rpc_world.size], torch.add, (torch.ones(3), i))
             for i in range(50)]

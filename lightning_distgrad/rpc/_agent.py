@@ -25,6 +25,7 @@ or response is lost.
 from __future__ import annotations
 
 import copy
+import functools
 import heapq
 import itertools
 import threading
@@ -132,21 +133,30 @@ def _decode_and_call(payload: bytes, tensors: list) -> tuple[Callable, Any]:
 
 class _UserFuture(torch.futures.Future):
     """The future of ``rpc_async``: ``wait()`` drives MPI progress on the waiting thread,
-    as ``rpc_sync`` does, and the response completes the future right there.
+    as ``rpc_sync`` does, and completes the future with the response it received.
 
     Otherwise the response would go from the progress thread to the callback
-    thread to the waiting thread: two thread wake-ups per call.
+    thread to the waiting thread: two thread wake-ups per call. The future is
+    completed after the thread stopped driving: its callbacks then run there,
+    and one that waits for an RPC of its own can drive in turn.
     """
 
     def __init__(self, transport: Transport):
         super().__init__()
         self._transport = transport
         self.waiter: int | None = None  # ident of a thread driving progress in wait()
+        self.completion: Callable[[], None] | None = None  # set by the waiter's delivery
+
+    def _answered(self) -> bool:
+        return self.completion is not None or self.done()
 
     def wait(self) -> Any:
         if not self.done():
             self.waiter = threading.get_ident()
-            self._transport.drive_until(self.done)
+            self._transport.drive_until(self._answered)
+            completion, self.completion = self.completion, None
+            if completion is not None:
+                completion()
         return super().wait()
 
 
@@ -353,10 +363,11 @@ class Agent:
         # ``then`` callbacks run in the caller's autograd context, as if on its thread:
         # an RPC they make (an async UDF's continuation) stays recorded. They run on
         # a callback thread, unless the thread waiting in ``wait()`` got the response.
+        complete = functools.partial(_hooks.get().call_in, pending.ctx_id, setter, value)
         if future.waiter == threading.get_ident():
-            _hooks.get().call_in(pending.ctx_id, setter, value)
+            future.completion = complete  # applied once that thread stopped driving
         else:
-            self._callbacks.submit(_hooks.get().call_in, pending.ctx_id, setter, value)
+            self._callbacks.submit(complete)
 
     # -- serving (worker pool) ------------------------------------------------------
 
