@@ -228,7 +228,7 @@ class Agent:
         # is registered and counted. A tensor refused here (no device map) used
         # to leave a pending call that was never sent: graceful shutdown then
         # waited for it forever.
-        devices = self._devices(tensors, dst.id, self.device_maps[self.info.id][dst.id])
+        devices = self._devices(tensors, dst.id)
         meta = _hooks.get().outgoing(dst.id, tensors, force_autograd)
         pctx.commit()
         future = _UserFuture(self.transport) if user_visible else torch.futures.Future()
@@ -239,9 +239,11 @@ class Agent:
         if pending.deadline is not None:
             self._watch_deadline(pending.deadline, call_id)
         self._count_sent()
-        forks = tuple(pctx.arrival_forks) + tuple(arrival_forks or ())
-        quick = operator and all(t.numel() * t.element_size() <= QUICK_LIMIT_BYTES
-                                 for t in tensors)
+        forks = tuple(pctx.arrival_forks) + tuple(arrival_forks) if arrival_forks else tuple(
+            pctx.arrival_forks)
+        quick = operator
+        for t in tensors:
+            quick = quick and t.numel() * t.element_size() <= QUICK_LIMIT_BYTES
         self.transport.send(dst.id, Frame(QUICK_REQUEST if quick else REQUEST, call_id, payload,
                                           (), meta, forks), tensors, devices)
         return future
@@ -257,7 +259,7 @@ class Agent:
         """
         dst = self.infos[dst_id]
         payload, tensors, pctx = self._encode((func, args, {}), dst, func)
-        devices = self._devices(tensors, dst_id, self.device_maps[self.info.id][dst_id])
+        devices = self._devices(tensors, dst_id)
         pctx.commit()
         self._count_sent()
         self.transport.send(dst_id, Frame(NOTIFY, -1, payload, (), key,
@@ -280,7 +282,17 @@ class Agent:
                 "defined at module level (lambdas and local functions cannot be sent)."
             ) from e
 
-    def _devices(self, tensors: list, dst_id: int, device_map) -> list[str] | None:
+    def _devices(self, tensors: list, dst_id: int, reply: bool = False) -> list[str] | None:
+        """Each tensor's device on ``dst_id`` (None: all on the CPU); a reply maps its
+        tensors with the inverse of the caller's device map."""
+        for t in tensors:
+            if not t.is_cpu:
+                break
+        else:
+            return None
+        me = self.info.id
+        device_map = (_devices.invert(self.device_maps[dst_id][me]) if reply
+                      else self.device_maps[me][dst_id])
         return _devices.target_devices(tensors, device_map, self.info.name,
                                        self.infos[dst_id].name)
 
@@ -333,7 +345,10 @@ class Agent:
                                            else None):
                 self._pool.submit(serve)
         elif frame.kind == QUICK_REQUEST:
-            self._run_request(source, frame, tensors)
+            if frame.autograd is None:
+                self._run_operator(source, frame, tensors)
+            else:
+                self._run_request(source, frame, tensors)
         else:
             try:
                 self._on_control(source, frame.autograd)
@@ -420,6 +435,16 @@ class Agent:
                 "Functions decorated with @rpc.async_function must return a "
                 f"torch.futures.Future object, but got {type(result)}"))
 
+    def _run_operator(self, source: int, frame: Frame, tensors: list) -> None:
+        """A torch operator with no autograd context: :meth:`_run_request` minus the
+        hooks (nothing to record, no context to switch: an operator makes no RPCs)."""
+        try:
+            _, result = _hooks.with_grad(_decode_and_call, frame.payload, tensors)
+        except BaseException as e:
+            self._reply_error(source, frame.call_id, e)
+            return
+        self._reply(source, frame.call_id, True, result)
+
     def _reply_future(self, dst: int, call_id: int, future: torch.futures.Future, ctx_id) -> None:
         try:
             value = future.wait()
@@ -433,8 +458,7 @@ class Agent:
             payload, tensors, pctx = encode_payload((ok, value), dst)
             # Fix (hang): inside the try, so a refused result tensor becomes an
             # error response instead of no response at all.
-            devices = self._devices(tensors, dst,
-                                    _devices.invert(self.device_maps[dst][self.info.id]))
+            devices = self._devices(tensors, dst, reply=True)
             # A response is recorded in its request's context only, never in
             # whatever context the replying thread happens to be in.
             recorded = ok and ctx_id is not None
