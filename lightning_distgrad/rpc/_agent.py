@@ -360,7 +360,8 @@ class Agent:
         if pending is None:
             return  # the call timed out; its late answer is dropped
         try:
-            tensors = _hooks.get().incoming(frame.autograd, source, tensors)
+            if frame.autograd is not None:
+                tensors = _hooks.get().incoming(frame.autograd, source, tensors)
             ok, value = decode_payload(frame.payload, tensors)
             if not ok:
                 value = _rebuild_error(*value)

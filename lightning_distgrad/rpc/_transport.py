@@ -181,6 +181,7 @@ class Transport:
         self._sends: list[tuple[list[MPI.Request], Any]] = []
         self._incoming: list[_Incoming] = []
         self._buffers = ReceiveBufferPool()
+        self._status = MPI.Status()  # of the frame being received (under the MPI lock)
         # Complete frames (and deferred calls) waiting to be handed over, in order.
         self._ready: collections.deque = collections.deque()
         self._deliver_lock = threading.Lock()
@@ -511,7 +512,7 @@ class Transport:
             self._bell.ring(dst)
 
     def _poll_frames(self) -> bool:
-        status = MPI.Status()
+        status = self._status
         progressed = False
         probed_again = False
         while True:
@@ -563,8 +564,11 @@ class Transport:
         return progressed
 
     def _deliver(self, source: int, frame: Frame, tensors: list) -> None:
-        if any(meta[4] != "cpu" for meta in frame.metas):
-            tensors = [to_target_device(t, m) for t, m in zip(tensors, frame.metas, strict=True)]
+        for meta in frame.metas:
+            if meta[4] != "cpu":
+                tensors = [to_target_device(t, m)
+                           for t, m in zip(tensors, frame.metas, strict=True)]
+                break
         self._on_frame(source, frame, tensors)
 
     def _add_timer(self, deadline: float, fn: Callable[[], None]) -> None:

@@ -214,7 +214,7 @@ def prepare_tensor(t: torch.Tensor, device: str = "cpu",
         t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
-    nbytes = t.numel() * t.element_size()
+    nbytes = t.nbytes
     if nbytes <= inline_limit:
         # A bytearray unpickles as a fresh writable buffer: the receiver wraps it
         # without another copy (torch.frombuffer).
