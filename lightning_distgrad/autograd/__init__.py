@@ -180,14 +180,18 @@ class _AutogradHooks(_hooks.AutogradHooks):
             msg_id = cont.new_message_id()
             sent = [tensors[i] for i in grad_idx]
             node = record_send(sent)
+            # Gradients come back through host memory: only non-CPU ones move.
+            devices = None if all(t.is_cpu for t in sent) else [t.device for t in sent]
             with ctx.lock:
                 ctx.sends[msg_id] = node
                 ctx.send_peers[msg_id] = dst_id
-                ctx.send_devices[msg_id] = [t.device for t in sent]
+                if devices is not None:
+                    ctx.send_devices[msg_id] = devices
+                ctx.known_workers.add(dst_id)
         else:
             grad_idx = []
-        with ctx.lock:
-            ctx.known_workers.add(dst_id)
+            with ctx.lock:
+                ctx.known_workers.add(dst_id)
         return (ctx_id, msg_id, tuple(grad_idx))
 
     def incoming(self, meta: Any, src_id: int, tensors: list[torch.Tensor]) -> list:

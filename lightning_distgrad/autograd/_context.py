@@ -42,7 +42,8 @@ class DistAutogradContext:
         self.lock = threading.Lock()
         self.sends: dict[int, Any] = {}  # message id -> send node
         self.send_peers: dict[int, int] = {}  # message id -> worker the message went to
-        self.send_devices: dict[int, list] = {}  # message id -> device of each sent tensor
+        # message id -> device of each sent tensor, for messages with non-CPU tensors
+        self.send_devices: dict[int, list] = {}
         self.consumed_sends: set[int] = set()  # sends run by a pass without retain_graph
         self.recvs: dict[int, Any] = {}  # message id -> recv node
         self.recv_peers: dict[int, int] = {}  # message id -> worker the message came from

@@ -21,7 +21,7 @@ _ANCHOR = torch.empty(0, requires_grad=True)
 class SendRpcBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *tensors: torch.Tensor):
-        return tuple(t.detach() for t in tensors)
+        return tuple([t.detach() for t in tensors])
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
