@@ -239,11 +239,10 @@ class Agent:
         if pending.deadline is not None:
             self._watch_deadline(pending.deadline, call_id)
         self._count_sent()
-        forks = tuple(pctx.arrival_forks) + tuple(arrival_forks) if arrival_forks else tuple(
-            pctx.arrival_forks)
-        quick = operator
-        for t in tensors:
-            quick = quick and t.numel() * t.element_size() <= QUICK_LIMIT_BYTES
+        forks = tuple(pctx.arrival_forks)
+        if arrival_forks:
+            forks += tuple(arrival_forks)
+        quick = operator and all(t.nbytes <= QUICK_LIMIT_BYTES for t in tensors)
         self.transport.send(dst.id, Frame(QUICK_REQUEST if quick else REQUEST, call_id, payload,
                                           (), meta, forks), tensors, devices)
         return future
@@ -285,10 +284,7 @@ class Agent:
     def _devices(self, tensors: list, dst_id: int, reply: bool = False) -> list[str] | None:
         """Each tensor's device on ``dst_id`` (None: all on the CPU); a reply maps its
         tensors with the inverse of the caller's device map."""
-        for t in tensors:
-            if not t.is_cpu:
-                break
-        else:
+        if all(t.is_cpu for t in tensors):
             return None
         me = self.info.id
         device_map = (_devices.invert(self.device_maps[dst_id][me]) if reply
