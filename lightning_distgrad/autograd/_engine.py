@@ -29,7 +29,6 @@ import collections
 import itertools
 import threading
 import traceback
-from fractions import Fraction
 from typing import Any
 
 import torch
@@ -73,6 +72,36 @@ def _native_grad(outputs: list, inputs: list, grad_outputs: list,
     """
     return _engine_run_backward(tuple(outputs), tuple(grad_outputs), retain_graph, False,
                                 tuple(inputs), True, False)
+
+
+# ---------------------------------------------------------------------------
+# Credits: exact dyadic fractions ``n / 2**e`` as ``(n, e)`` int pairs. Splitting and
+# summing them is integer arithmetic (a Fraction operation cost 1-2 us, about 15 per
+# pass), they travel as the pair, and unlike a fixed integer budget they never run out.
+
+Credit = tuple[int, int]
+NO_CREDIT: Credit = (0, 0)
+ALL_CREDIT: Credit = (1, 0)
+
+
+def split_credit(credit: Credit, parts: int) -> tuple[Credit, Credit]:
+    """(each of ``parts`` equal shares, the remainder): ``parts`` shares plus the
+    remainder make ``credit`` exactly."""
+    n, e = credit
+    bits = (parts - 1).bit_length()  # 2**bits >= parts
+    return (n, e + bits), (n * ((1 << bits) - parts), e + bits)
+
+
+def add_credit(a: Credit, b: Credit) -> Credit:
+    (n1, e1), (n2, e2) = a, b
+    if e1 < e2:
+        return (n1 << (e2 - e1)) + n2, e2
+    return n1 + (n2 << (e1 - e2)), e1
+
+
+def is_all_credit(credit: Credit) -> bool:
+    n, e = credit
+    return n == 1 << e
 
 
 # ---------------------------------------------------------------------------
@@ -145,7 +174,7 @@ class _Pass:
         # Root only, under credit_lock (never held during graph work): the
         # credit back so far, the workers' reports, the first error.
         self.credit_lock = threading.Lock()
-        self.credit = Fraction(0)
+        self.credit = NO_CREDIT
         self.reports: list[tuple] = []
         self.error: BaseException | None = None
         self.finished = torch.futures.Future()  # set when all credit is back
@@ -361,18 +390,18 @@ class _Pass:
 
     # -- credit (root only) -----------------------------------------------------------
 
-    def return_credit(self, credit: Fraction, report: tuple | None,
+    def return_credit(self, credit: Credit, report: tuple | None,
                       error: BaseException | None) -> None:
         """Credit back from a worker (with its report or error); all back: the pass is over."""
         with self.credit_lock:
             if self.finished.done():
                 return  # timed out already
-            self.credit += credit
+            self.credit = add_credit(self.credit, credit)
             if report is not None:
                 self.reports.append(report)
             if error is not None and self.error is None:
                 self.error = error
-            if self.credit == 1:
+            if is_all_credit(self.credit):
                 self.finished.set_result(None)
 
     def expire(self, timeout: float) -> None:
@@ -430,9 +459,9 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
         try:
             messages = p.deliver_roots(edges, [torch.ones_like(r) for r in roots])
         except Exception as e:
-            p.return_credit(Fraction(1), None, _wrap_error(cont.worker_id, e))
+            p.return_credit(ALL_CREDIT, None, _wrap_error(cont.worker_id, e))
         else:
-            _ship(p, messages, Fraction(1))
+            _ship(p, messages, ALL_CREDIT)
         _wait_for_credit(p)
         # Workers whose sends still wait for gradients (unused RPC results, or
         # an error cut the pass short) hold state for the pass: end it there.
@@ -537,7 +566,7 @@ def _check_all_sends_used(context_id: int, latest: dict[int, list]) -> None:
             "such RPCs under torch.no_grad() or outside the context.")
 
 
-def _ship(p: _Pass, messages: list[tuple[int, list]], credit: Fraction) -> None:
+def _ship(p: _Pass, messages: list[tuple[int, list]], credit: Credit) -> None:
     """Send gradient messages, splitting ``credit`` among them; return the rest to the root.
 
     A message to the root carries this worker's report itself; otherwise a
@@ -547,8 +576,9 @@ def _ship(p: _Pass, messages: list[tuple[int, list]], credit: Fraction) -> None:
     me = container().worker_id
     context_id = p.ctx._context_id()
     to_root = me != root and any(peer == root for peer, _ in messages)
-    share = credit / (len(messages) + (0 if to_root else 1))
-    kept = Fraction(0) if to_root else share
+    share, kept = split_credit(credit, len(messages) + (0 if to_root else 1))
+    if not to_root:
+        kept = add_credit(kept, share)
     report = p.report(me) if me != root else None
     error = None
     agent = _core.require_agent()
@@ -556,26 +586,25 @@ def _ship(p: _Pass, messages: list[tuple[int, list]], credit: Fraction) -> None:
         carried = report if peer == root else None
         try:
             agent.notify(peer, _propagate_gradients,
-                         (context_id, items, p.retain_graph, p.pass_id, _on_wire(share), carried),
+                         (context_id, items, p.retain_graph, p.pass_id, share, carried),
                          key=p.pass_id)
         except Exception as e:  # never sent: its credit and report come back here
-            kept += share
+            kept = add_credit(kept, share)
             error = error or _wrap_error(me, e).with_traceback(e.__traceback__)
             to_root = to_root and carried is None
-    if kept or not to_root:
+    if kept[0] or not to_root:
         _return_credit(context_id, p.pass_id, kept, None if to_root else report, error)
 
 
-def _return_credit(context_id: int, pass_id: tuple, credit: Fraction, report: tuple | None,
+def _return_credit(context_id: int, pass_id: tuple, credit: Credit, report: tuple | None,
                    error: BaseException | None) -> None:
     root = pass_id[0]
     if root == container().worker_id:
-        apply_credit(context_id, pass_id, _on_wire(credit), report, error)
+        apply_credit(context_id, pass_id, credit, report, error)
     else:
         text = None if error is None else _error_text(error)
         _core.require_agent().send_control(
-            root, (_hooks.AUTOGRAD_CONTROL, "credit", context_id, pass_id, _on_wire(credit),
-                   report, text))
+            root, (_hooks.AUTOGRAD_CONTROL, "credit", context_id, pass_id, credit, report, text))
 
 
 def _error_text(error: BaseException) -> str:
@@ -584,19 +613,14 @@ def _error_text(error: BaseException) -> str:
     return f"{error}\n{where}" if where else str(error)
 
 
-def _on_wire(credit: Fraction) -> tuple[int, int]:
-    """A credit as it travels: pickling a Fraction costs 3x as much as its two ints."""
-    return credit.numerator, credit.denominator
-
-
-def apply_credit(context_id: int, pass_id: tuple, credit: tuple[int, int],
+def apply_credit(context_id: int, pass_id: tuple, credit: Credit,
                  report: tuple | None, error: BaseException | str | None) -> None:
     """Credit back to the root (from a CONTROL frame: must not block)."""
     cont = _container
     ctx = cont.find(context_id) if cont is not None else None
     p = ctx.backward_pass if ctx is not None else None
     if p is not None and p.pass_id == pass_id:  # else the pass timed out: drop it
-        p.return_credit(Fraction(*credit), report,
+        p.return_credit(credit, report,
                         RuntimeError(error) if isinstance(error, str) else error)
 
 
@@ -610,10 +634,9 @@ def _worker_pass(ctx: DistAutogradContext, pass_id: tuple, retain_graph: bool) -
 
 
 def _propagate_gradients(context_id: int, items: list[tuple[int, list[torch.Tensor]]],
-                         retain_graph: bool, pass_id: tuple, credit: tuple[int, int],
+                         retain_graph: bool, pass_id: tuple, credit: Credit,
                          report: tuple | None) -> None:
     """A gradient message (NOTIFY), on the worker that sent the messages of ``items``."""
-    credit = Fraction(*credit)
     cont = container()
     is_root = pass_id[0] == cont.worker_id
     ctx = cont.find(context_id)
@@ -626,7 +649,7 @@ def _propagate_gradients(context_id: int, items: list[tuple[int, list[torch.Tens
             if p is None or p.pass_id != pass_id:
                 return  # the root's pass is over (timed out): nobody waits for this
             if report is not None:
-                p.return_credit(Fraction(0), report, None)
+                p.return_credit(NO_CREDIT, report, None)
         else:
             p = _worker_pass(ctx, pass_id, retain_graph)
         for msg_id, _ in items:
