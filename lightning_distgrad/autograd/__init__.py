@@ -171,7 +171,7 @@ class _AutogradHooks(_hooks.AutogradHooks):
         ctx = cont.find(ctx_id)
         if ctx is None:
             return None
-        msg_id = None
+        msg_id = node = devices = None
         # A request made under torch.no_grad() records nothing. A response
         # (``ctx_id`` given) is recorded whenever its tensors require grad: the
         # callee's grad mode already decided that, and its reply may be sent
@@ -181,17 +181,17 @@ class _AutogradHooks(_hooks.AutogradHooks):
             sent = [tensors[i] for i in grad_idx]
             node = record_send(sent)
             # Gradients come back through host memory: only non-CPU ones move.
-            devices = None if all(t.is_cpu for t in sent) else [t.device for t in sent]
-            with ctx.lock:
-                ctx.sends[msg_id] = node
-                ctx.send_peers[msg_id] = dst_id
-                if devices is not None:
-                    ctx.send_devices[msg_id] = devices
-                ctx.known_workers.add(dst_id)
+            if not all(t.is_cpu for t in sent):
+                devices = [t.device for t in sent]
         else:
             grad_idx = []
-            with ctx.lock:
-                ctx.known_workers.add(dst_id)
+        with ctx.lock:
+            if node is not None:
+                ctx.sends[msg_id] = node
+                ctx.send_peers[msg_id] = dst_id
+            if devices is not None:
+                ctx.send_devices[msg_id] = devices
+            ctx.known_workers.add(dst_id)
         return (ctx_id, msg_id, tuple(grad_idx))
 
     def incoming(self, meta: Any, src_id: int, tensors: list[torch.Tensor]) -> list:

@@ -564,11 +564,8 @@ class Transport:
         return progressed
 
     def _deliver(self, source: int, frame: Frame, tensors: list) -> None:
-        for meta in frame.metas:
-            if meta[4] != "cpu":
-                tensors = [to_target_device(t, m)
-                           for t, m in zip(tensors, frame.metas, strict=True)]
-                break
+        if any(meta[4] != "cpu" for meta in frame.metas):
+            tensors = [to_target_device(t, m) for t, m in zip(tensors, frame.metas, strict=True)]
         self._on_frame(source, frame, tensors)
 
     def _add_timer(self, deadline: float, fn: Callable[[], None]) -> None:
