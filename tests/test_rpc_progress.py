@@ -80,16 +80,55 @@ def test_a_ring_wakes_a_napping_peer():
     sleeper = Doorbell.create(token, 1, [0, 1])
     ringer = Doorbell.create(token, 0, [0, 1])
     assert isinstance(sleeper, Doorbell) and isinstance(ringer, Doorbell)
+    napping = threading.Event()
+
+    def nap() -> None:
+        with sleeper.napping():
+            napping.set()
+            sleeper.wait(600.0)
+
     try:
-        nap = threading.Thread(target=sleeper.wait, args=(600.0,))
-        nap.start()
+        napper = threading.Thread(target=nap, daemon=True)
+        napper.start()
+        assert napping.wait(60.0)
         ringer.ring(1)
-        nap.join(60.0)  # a nap of 600 s that only a ring ends early
-        assert not nap.is_alive()
+        napper.join(60.0)  # a nap of 600 s that only a ring ends early
+        assert not napper.is_alive()
     finally:
         ringer.ring(1)
         sleeper.close()
         ringer.close()
+
+
+def _queued_rings(bell: Doorbell) -> int:
+    readable, _, _ = select.select([bell._sock], [], [], 0)
+    return len(readable)
+
+
+def test_only_a_napping_peer_is_rung():
+    # A peer that polls without napping would only collect rings it never reads
+    # (and a full queue makes each ring raise): it is not rung.
+    token = os.urandom(8).hex()
+    peer = Doorbell.create(token, 1, [0, 1])
+    bell = Doorbell.create(token, 0, [0, 1])
+    try:
+        bell.ring(1)
+        assert _queued_rings(peer) == 0
+        with peer.napping():
+            bell.ring(1)
+            assert _queued_rings(peer) == 1
+            with peer.napping():  # a second napping thread of the same agent
+                pass
+            peer.wait(0.0)  # takes the ring
+            bell.ring(1)  # still napping: the other thread has not woken yet
+            assert _queued_rings(peer) == 1
+            peer.wait(0.0)
+        bell.ring(1)
+        assert _queued_rings(peer) == 0
+    finally:
+        bell.close()
+        peer.close()
+    assert not os.path.exists(bell._board_path)  # no file left behind in /dev/shm
 
 
 def test_rings_are_hints_that_never_fail():
@@ -97,13 +136,14 @@ def test_rings_are_hints_that_never_fail():
     bell = Doorbell.create(token, 0, [0, 1, 2])
     peer = Doorbell.create(token, 1, [0, 1, 2])
     try:
-        for _ in range(100):  # far beyond the socket's queue: the extra rings are dropped
-            bell.ring(1)
-        bell.ring(2)  # on this node but not listening (gone, or not started yet)
-        bell.ring(7)  # not on this node: never rung
-        peer.wait(0.0)  # takes every pending ring at once...
-        readable, _, _ = select.select([peer._sock], [], [], 0)
-        assert readable == []  # ...so the next nap is not cut short by stale rings
+        with peer.napping():
+            for _ in range(100):  # far beyond the socket's queue: the extra rings are dropped
+                bell.ring(1)
+            bell._board[2] = 1  # as if rank 2 napped, then died without a word
+            bell.ring(2)  # on this node but not listening (gone, or not started yet)
+            bell.ring(7)  # not on this node: never rung
+            peer.wait(0.0)  # takes every pending ring at once...
+        assert _queued_rings(peer) == 0  # ...so the next nap is not cut short by stale rings
     finally:
         bell.close()
         peer.close()

@@ -8,13 +8,29 @@ a Unix datagram socket; it naps in ``select`` on it, and a sender on the same
 node rings it (one byte, non-blocking) after posting a frame. The bell is only
 a hint: a lost or refused ring (a full queue, a peer gone) costs at most the
 nap it would have cut short, and peers on other nodes are never rung.
+
+Only a napping agent is rung. A ring costs a system call, and a refused one
+(the queue of an agent that polls without napping fills after ten) an
+exception on top: 4 us per frame here, each way of a round trip. So the
+agents of a node share a *nap board*, one byte per agent in shared memory, set
+while that agent naps; a sender reads its peer's byte and rings only if it is
+set. The napper sets its byte, then polls once more before it sleeps
+(:meth:`Doorbell.napping`): a frame posted before the byte was visible is
+found by that poll, one posted after it is rung.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
 import select
 import socket
 import threading
+from collections.abc import Iterator
+
+#: Where nap boards live (tmpfs: shared memory that no disk ever sees).
+BOARD_DIR = "/dev/shm"
 
 
 class LocalBell:
@@ -40,6 +56,14 @@ class LocalBell:
     def wait(self, timeout: float) -> None:
         self._lock.acquire(timeout=timeout)  # True: rung; then held again
 
+    @contextlib.contextmanager
+    def napping(self) -> Iterator[None]:
+        """Around a poll and a :meth:`wait`: peers may ring this agent meanwhile."""
+        yield
+
+    def forget_board(self) -> None:
+        """Remove the nap board's name once every agent of the node has opened it."""
+
     def close(self) -> None:
         pass
 
@@ -54,6 +78,13 @@ class Doorbell:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self._own)
         self._sock.setblocking(False)
+        # The nap board: byte i is set while node_ranks[i] naps (None: ring always).
+        self._slot = {r: i for i, r in enumerate(node_ranks)}
+        self._own_slot = self._slot[rank]
+        self._board_path = os.path.join(BOARD_DIR, f"lightning_distgrad-{token}")
+        self._board = _open_board(self._board_path, len(node_ranks))
+        self._nappers = 0  # this agent's threads inside napping()
+        self._nappers_lock = threading.Lock()
 
     @classmethod
     def create(cls, token: str, rank: int, node_ranks: list[int]) -> Doorbell | LocalBell:
@@ -66,7 +97,7 @@ class Doorbell:
     def ring(self, rank: int) -> None:
         """Wake ``rank``'s progress thread if it naps (peers on this node only)."""
         address = self._peers.get(rank)
-        if address is not None:
+        if address is not None and (self._board is None or self._board[self._slot[rank]]):
             self._ring(address)
 
     def ring_self(self) -> None:
@@ -89,5 +120,51 @@ class Doorbell:
             except OSError:  # drained
                 pass
 
+    @contextlib.contextmanager
+    def napping(self) -> Iterator[None]:
+        """Around a poll and a :meth:`wait`: peers may ring this agent meanwhile.
+
+        Poll inside, after the byte is set: a frame posted before peers could
+        see it is not rung, and waits for that poll.
+        """
+        self._set_napping(+1)
+        try:
+            yield
+        finally:
+            self._set_napping(-1)
+
+    def _set_napping(self, delta: int) -> None:
+        with self._nappers_lock:
+            self._nappers += delta
+            if self._board is not None:
+                self._board[self._own_slot] = 1 if self._nappers else 0
+
+    def forget_board(self) -> None:
+        """Remove the nap board's name once every agent of the node has opened it (the
+        memory stays while mapped; nothing is left behind in ``BOARD_DIR``)."""
+        with contextlib.suppress(OSError):
+            os.unlink(self._board_path)
+
     def close(self) -> None:
         self._sock.close()
+        self.forget_board()
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+
+
+def _open_board(path: str, size: int) -> mmap.mmap | None:
+    """Map the nap board of a node (``size`` bytes, created by whoever comes first); None
+    where shared memory files are missing: then every frame rings."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

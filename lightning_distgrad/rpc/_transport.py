@@ -36,7 +36,7 @@ import torch
 from mpi4py import MPI
 
 from ._abort import abort_mpi_job
-from ._doorbell import Doorbell, LocalBell
+from ._doorbell import Doorbell
 from ._wire import (
     Frame,
     ReceiveBufferPool,
@@ -92,22 +92,25 @@ def _default_modes() -> Iterator[None]:
 class _Backoff:
     """Doubling sleep, reset by activity (mpi4py.futures' Backoff)."""
 
-    def __init__(self, bell: Doorbell | LocalBell, caps: tuple = IDLE_CAPS):
-        self._bell = bell
+    def __init__(self, nap: Callable[[float], bool], caps: tuple = IDLE_CAPS):
+        self._nap = nap
         self._caps = caps
         self._delay = BACKOFF_MIN_S
 
     def reset(self) -> None:
         self._delay = BACKOFF_MIN_S
 
-    def sleep(self, idle_for: float, limit: float) -> None:
-        """Nap (at most ``limit`` seconds), then lengthen the next nap."""
-        self._bell.wait(min(self._delay, limit))
+    def sleep(self, idle_for: float, limit: float) -> bool:
+        """Nap (at most ``limit`` seconds), then lengthen the next nap; True if the nap's
+        last poll found traffic instead."""
+        if self._nap(min(self._delay, limit)):
+            return True
         cap = BACKOFF_MAX_S
         for after, longer_cap in self._caps:
             if idle_for > after:
                 cap = longer_cap
         self._delay = min(cap, self._delay * 2)
+        return False
 
 
 class _Incoming:
@@ -152,6 +155,8 @@ class Transport:
         token = node.bcast(os.urandom(8).hex() if node.Get_rank() == 0 else None)
         self._bell = Doorbell.create(token, self.rank, node.allgather(self.rank))
         self._all_ring = isinstance(self._bell, Doorbell) and node.Get_size() == self.size
+        node.Barrier()  # every agent of the node has opened the nap board
+        self._bell.forget_board()
         node.Free()
         # Below SERIALIZED only the progress thread may call MPI.
         self._any_thread_may_send = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
@@ -272,8 +277,9 @@ class Transport:
                     break
                 if self.spin:
                     os.sched_yield()
+                elif self._nap(delay):
+                    delay = BACKOFF_MIN_S
                 else:
-                    self._bell.wait(delay)
                     delay = min(BACKOFF_MAX_S, delay * 2)
         finally:
             # The progress thread takes over again at its next check (<= 1 ms);
@@ -376,7 +382,7 @@ class Transport:
 
     def _progress_until(self, finished: Callable[[], bool]) -> None:
         """The polling loop of the progress thread (and of its stand-ins)."""
-        backoff = _Backoff(self._bell, IDLE_CAPS_ALL_RING if self._all_ring else IDLE_CAPS)
+        backoff = _Backoff(self._nap, IDLE_CAPS_ALL_RING if self._all_ring else IDLE_CAPS)
         me = threading.get_ident()
         while not finished():
             if self._driver is not None:
@@ -398,9 +404,20 @@ class Transport:
                 # GIL more than we do (a 50 us poll slowed a 16 ms torch.add by
                 # 30%), so sleep longer and longer until traffic comes.
                 self._sleepers.add(me)
-                if not self._outbox:
-                    backoff.sleep(now - self._last_activity, self._until_next_timer(now))
+                if not self._outbox and backoff.sleep(now - self._last_activity,
+                                                      self._until_next_timer(now)):
+                    self._last_activity = time.monotonic()
+                    backoff.reset()
                 self._sleepers.discard(me)
+
+    def _nap(self, timeout: float) -> bool:
+        """Sleep until rung or ``timeout`` s pass; True (no sleep) if a last poll, made
+        once peers can see that we nap (see ``_doorbell``), found traffic."""
+        with self._bell.napping():
+            if self._locked_progress_once():
+                return True
+            self._bell.wait(timeout)
+        return False
 
     def _locked_progress_once(self) -> bool:
         with self._mpi_lock:
