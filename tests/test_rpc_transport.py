@@ -120,6 +120,23 @@ def test_every_dtype_round_trips_exactly(rpc_world, n):
         assert_same(a, b)
 
 
+def test_a_result_that_is_one_tensor_round_trips_exactly(rpc_world):
+    # A plain tensor result travels as the frame's only tensor, without a pickle;
+    # anything else (a Parameter, a sparse tensor) still goes through pickle.
+    base = torch.randn(300, 301)
+    plain = [sample(dtype, SMALL, seed=i) for i, dtype in enumerate(DTYPES)] + [
+        torch.tensor(2.5), torch.empty(3, 0), base.t(), base[::2, 1::3],
+        torch.randn(4, dtype=torch.complex64).conj(), sample(torch.float32, BIG, seed=1)]
+    for t in plain:
+        assert_same(t, rpc.rpc_sync(rpc_world.peer(), echo, (t,)))
+        assert_same(t, rpc.rpc_async(rpc_world.peer(), echo, (t,)).wait())
+    p = torch.nn.Parameter(torch.randn(3))
+    back = rpc.rpc_sync(rpc_world.peer(), echo, (p,))
+    assert isinstance(back, torch.nn.Parameter) and torch.equal(back.detach(), p.detach())
+    sparse = torch.eye(3).to_sparse()
+    assert_same(sparse, rpc.rpc_sync(rpc_world.peer(), echo, (sparse,)))
+
+
 def test_zero_dim_and_zero_size_tensors(rpc_world):
     tensors = [torch.tensor(3.5), torch.tensor(7, dtype=torch.int64), torch.tensor(True),
                torch.tensor(1 + 2j), torch.empty(0), torch.empty(3, 0, 2),

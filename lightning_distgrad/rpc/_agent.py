@@ -8,7 +8,8 @@ Three frame kinds travel between agents:
   ``Transport.run_here``), else the worker pool does. A torch operator on small
   tensors (QUICK_REQUEST) runs right where the frame is handed over, on any
   thread: it cannot issue RPCs or block;
-* RESPONSE: ``(ok, value)`` for one call id; decoded by the thread driving
+* RESPONSE: ``(ok, value)`` for one call id (no payload when the value is one
+  plain tensor: the frame's only tensor); decoded by the thread driving
   progress (internal futures complete there, user-visible ones on a pool);
 * CONTROL: bookkeeping applied on arrival, in order, by the thread driving
   progress (RRef fork deletes): never runs user code and never blocks;
@@ -358,9 +359,12 @@ class Agent:
         try:
             if frame.autograd is not None:
                 tensors = _hooks.get().incoming(frame.autograd, source, tensors)
-            ok, value = decode_payload(frame.payload, tensors)
-            if not ok:
-                value = _rebuild_error(*value)
+            if frame.payload is None:  # the result is the frame's one tensor
+                ok, value = True, tensors[0]
+            else:
+                ok, value = decode_payload(frame.payload, tensors)
+                if not ok:
+                    value = _rebuild_error(*value)
         except Exception as e:
             # No traceback: it references this frame, which holds the future.
             ok, value = False, e.with_traceback(None)
@@ -452,7 +456,12 @@ class Agent:
 
     def _reply(self, dst: int, call_id: int, ok: bool, value: Any, ctx_id=None) -> None:
         try:
-            payload, tensors, pctx = encode_payload((ok, value), dst)
+            if ok and type(value) is torch.Tensor and value.layout == torch.strided:
+                # The usual result, one plain tensor, needs no pickle: its frame has
+                # no payload (a pickler each way cost 3.5 us of a 55 us round trip).
+                payload, tensors, pctx = None, [value], None
+            else:
+                payload, tensors, pctx = encode_payload((ok, value), dst)
             # Fix (hang): inside the try, so a refused result tensor becomes an
             # error response instead of no response at all.
             devices = self._devices(tensors, dst, reply=True)
@@ -465,9 +474,12 @@ class Agent:
                 raise
             self._reply_error(dst, call_id, e)
             return
-        pctx.commit()
-        self.transport.send(dst, Frame(RESPONSE, call_id, payload, (), meta,
-                                       tuple(pctx.arrival_forks)), tensors, devices)
+        forks = ()
+        if pctx is not None:
+            pctx.commit()
+            forks = tuple(pctx.arrival_forks)
+        self.transport.send(dst, Frame(RESPONSE, call_id, payload, (), meta, forks),
+                            tensors, devices)
         self._count_processed()
 
     def _reply_error(self, dst: int, call_id: int, exc: BaseException) -> None:

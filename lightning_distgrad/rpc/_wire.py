@@ -74,7 +74,7 @@ class Frame(NamedTuple):
 
     kind: int
     call_id: int
-    payload: bytes
+    payload: bytes | None  # None: a RESPONSE whose value is its one tensor
     # One (dtype code, shape, nbytes, inline bytes or None, device) per tensor.
     metas: tuple = ()
     # Distributed-autograd metadata, the body of a CONTROL frame, or a NOTIFY's key.
