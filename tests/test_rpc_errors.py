@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lightning_distgrad import rpc
-from lightning_distgrad.rpc import WorkerInfo
+from lightning_distgrad.rpc import WorkerInfo, _core
 from lightning_distgrad.rpc._agent import REQUEST
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -339,6 +339,18 @@ def test_default_timeout_applies_to_calls_issued_afterwards(rpc_world):
         rpc._set_rpc_timeout(60.0)
     assert slow.wait() == 5  # issued before the change: not cut short
     assert_usable(rpc_world)
+
+
+def test_answered_calls_stop_being_watched_while_calls_keep_coming(rpc_world):
+    # One call stays pending throughout, as in any busy job: the deadlines of the
+    # answered ones must still be dropped (they once piled up for a whole timeout).
+    agent = _core.current_agent()
+    slow = rpc.rpc_async(rpc_world.peer(), sleep_then_return, (1.0, 9))
+    for _ in range(1000):
+        rpc.rpc_sync(rpc_world.peer(), torch.add, (torch.ones(1), 1))
+    time.sleep(0.1)  # the timeout checks (every 10 ms) ran meanwhile
+    assert len(agent._deadlines) <= 2 * agent.num_pending() + 64
+    assert slow.wait() == 9
 
 
 def test_to_here_timeout(rpc_world):

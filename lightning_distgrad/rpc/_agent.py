@@ -317,8 +317,14 @@ class Agent:
         with self._deadline_lock:
             while self._deadlines and self._deadlines[0][0] <= now:
                 expired.append(heapq.heappop(self._deadlines)[1])
-            if not self._pending:
-                self._deadlines.clear()  # answered calls need no watching
+            # Answered calls need no watching. Fix (leak): the list was only cleared
+            # when no call was pending at a check, which never happens while a thread
+            # keeps calling: it grew by one entry per call for a whole timeout
+            # (60 s at 20,000 calls/s: 1.2 million entries).
+            pending = self._pending
+            if len(self._deadlines) > 2 * len(pending) + 64:
+                self._deadlines = [d for d in self._deadlines if d[1] in pending]
+                heapq.heapify(self._deadlines)
             rearm = self._timeout_check_armed = bool(self._deadlines)
         for call_id in expired:
             pending = self._pending.pop(call_id, None)
