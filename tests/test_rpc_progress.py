@@ -13,7 +13,7 @@ from _dist_utils import wait_until
 from mpi4py import MPI
 
 from lightning_distgrad.rpc._doorbell import Doorbell, LocalBell
-from lightning_distgrad.rpc._transport import Transport
+from lightning_distgrad.rpc._transport import Transport, _Backoff
 from lightning_distgrad.rpc._wire import Frame
 
 CONTROL = 2
@@ -83,9 +83,10 @@ def test_a_ring_wakes_a_napping_peer():
     napping = threading.Event()
 
     def nap() -> None:
-        with sleeper.napping():
-            napping.set()
-            sleeper.wait(600.0)
+        sleeper.arm()
+        napping.set()
+        sleeper.wait(600.0)
+        sleeper.disarm()
 
     try:
         napper = threading.Thread(target=nap, daemon=True)
@@ -114,15 +115,16 @@ def test_only_a_napping_peer_is_rung():
     try:
         bell.ring(1)
         assert _queued_rings(peer) == 0
-        with peer.napping():
-            bell.ring(1)
-            assert _queued_rings(peer) == 1
-            with peer.napping():  # a second napping thread of the same agent
-                pass
-            peer.wait(0.0)  # takes the ring
-            bell.ring(1)  # still napping: the other thread has not woken yet
-            assert _queued_rings(peer) == 1
-            peer.wait(0.0)
+        peer.arm()
+        bell.ring(1)
+        assert _queued_rings(peer) == 1
+        peer.arm()  # a second napping thread of the same agent...
+        peer.disarm()  # ...that woke up
+        peer.wait(0.0)  # takes the ring
+        bell.ring(1)  # still armed: the first thread naps on
+        assert _queued_rings(peer) == 1
+        peer.wait(0.0)
+        peer.disarm()
         bell.ring(1)
         assert _queued_rings(peer) == 0
     finally:
@@ -136,13 +138,13 @@ def test_rings_are_hints_that_never_fail():
     bell = Doorbell.create(token, 0, [0, 1, 2])
     peer = Doorbell.create(token, 1, [0, 1, 2])
     try:
-        with peer.napping():
-            for _ in range(100):  # far beyond the socket's queue: the extra rings are dropped
-                bell.ring(1)
-            bell._board[2] = 1  # as if rank 2 napped, then died without a word
-            bell.ring(2)  # on this node but not listening (gone, or not started yet)
-            bell.ring(7)  # not on this node: never rung
-            peer.wait(0.0)  # takes every pending ring at once...
+        peer.arm()
+        for _ in range(100):  # far beyond the socket's queue: the extra rings are dropped
+            bell.ring(1)
+        bell._board[2] = 1  # as if rank 2 napped, then died without a word
+        bell.ring(2)  # on this node but not listening (gone, or not started yet)
+        bell.ring(7)  # not on this node: never rung
+        peer.wait(0.0)  # takes every pending ring at once...
         assert _queued_rings(peer) == 0  # ...so the next nap is not cut short by stale rings
     finally:
         bell.close()
@@ -164,6 +166,36 @@ def test_without_a_socket_only_this_process_can_wake_the_nap():
     finally:
         first.close()
         second.close()
+
+
+def test_a_quiet_spell_arms_the_bell_once_and_polls_once_more_before_the_first_nap():
+    events = []
+
+    class Bell(LocalBell):
+        def arm(self) -> None:
+            events.append("arm")
+
+        def disarm(self) -> None:
+            events.append("disarm")
+
+        def wait(self, timeout: float) -> None:
+            events.append("nap")
+
+    def poll(found: bool) -> bool:
+        events.append("poll")
+        return found
+
+    backoff = _Backoff(Bell(), lambda: poll(False))
+    for _ in range(3):
+        assert backoff.sleep() is False
+    backoff.reset()  # traffic came
+    backoff.reset()
+    assert events == ["arm", "poll", "nap", "nap", "nap", "disarm"]
+    # A frame posted before the arming showed: found by that poll, no nap.
+    events.clear()
+    backoff = _Backoff(Bell(), lambda: poll(True))
+    assert backoff.sleep() is True
+    assert events == ["arm", "poll"]
 
 
 class _RecordingBell(LocalBell):

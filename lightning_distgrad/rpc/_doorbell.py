@@ -14,9 +14,10 @@ Only a napping agent is rung. A ring costs a system call, and a refused one
 exception on top: 4 us per frame here, each way of a round trip. So the
 agents of a node share a *nap board*, one byte per agent in shared memory, set
 while that agent naps; a sender reads its peer's byte and rings only if it is
-set. The napper sets its byte, then polls once more before it sleeps
-(:meth:`Doorbell.napping`): a frame posted before the byte was visible is
-found by that poll, one posted after it is rung.
+set. The napper sets its byte (:meth:`Doorbell.arm`), then polls once more
+before it sleeps: a frame posted before the byte was visible is found by that
+poll, one posted after it is rung. The byte stays set across the polls between
+naps, until traffic comes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import os
 import select
 import socket
 import threading
-from collections.abc import Iterator
 
 #: Where nap boards live (tmpfs: shared memory that no disk ever sees).
 BOARD_DIR = "/dev/shm"
@@ -56,10 +56,11 @@ class LocalBell:
     def wait(self, timeout: float) -> None:
         self._lock.acquire(timeout=timeout)  # True: rung; then held again
 
-    @contextlib.contextmanager
-    def napping(self) -> Iterator[None]:
-        """Around a poll and a :meth:`wait`: peers may ring this agent meanwhile."""
-        yield
+    def arm(self) -> None:
+        """Peers may ring this agent from now on (it is about to nap)."""
+
+    def disarm(self) -> None:
+        """Undo one :meth:`arm`."""
 
     def forget_board(self) -> None:
         """Remove the nap board's name once every agent of the node has opened it."""
@@ -83,8 +84,8 @@ class Doorbell:
         self._own_slot = self._slot[rank]
         self._board_path = os.path.join(BOARD_DIR, f"lightning_distgrad-{token}")
         self._board = _open_board(self._board_path, len(node_ranks))
-        self._nappers = 0  # this agent's threads inside napping()
-        self._nappers_lock = threading.Lock()
+        self._armed = 0  # this agent's armed threads (see arm)
+        self._armed_lock = threading.Lock()
 
     @classmethod
     def create(cls, token: str, rank: int, node_ranks: list[int]) -> Doorbell | LocalBell:
@@ -120,24 +121,23 @@ class Doorbell:
             except OSError:  # drained
                 pass
 
-    @contextlib.contextmanager
-    def napping(self) -> Iterator[None]:
-        """Around a poll and a :meth:`wait`: peers may ring this agent meanwhile.
+    def arm(self) -> None:
+        """Peers ring this agent from now on (one of its threads is about to nap).
 
-        Poll inside, after the byte is set: a frame posted before peers could
-        see it is not rung, and waits for that poll.
+        Poll once after arming: a frame posted before peers could see it is not
+        rung. Stay armed across the polls between naps (see ``_Backoff``).
         """
-        self._set_napping(+1)
-        try:
-            yield
-        finally:
-            self._set_napping(-1)
+        self._set_armed(+1)
 
-    def _set_napping(self, delta: int) -> None:
-        with self._nappers_lock:
-            self._nappers += delta
+    def disarm(self) -> None:
+        """Undo one :meth:`arm` (peers stop ringing once no thread of ours is armed)."""
+        self._set_armed(-1)
+
+    def _set_armed(self, delta: int) -> None:
+        with self._armed_lock:
+            self._armed += delta
             if self._board is not None:
-                self._board[self._own_slot] = 1 if self._nappers else 0
+                self._board[self._own_slot] = 1 if self._armed else 0
 
     def forget_board(self) -> None:
         """Remove the nap board's name once every agent of the node has opened it (the

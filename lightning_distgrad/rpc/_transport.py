@@ -36,7 +36,7 @@ import torch
 from mpi4py import MPI
 
 from ._abort import abort_mpi_job
-from ._doorbell import Doorbell
+from ._doorbell import Doorbell, LocalBell
 from ._wire import (
     Frame,
     ReceiveBufferPool,
@@ -90,21 +90,39 @@ def _default_modes() -> Iterator[None]:
 
 
 class _Backoff:
-    """Doubling sleep, reset by activity (mpi4py.futures' Backoff)."""
+    """Doubling naps, reset by activity (mpi4py.futures' Backoff); peers on this node
+    ring the bell to end a nap (see ``_doorbell``).
 
-    def __init__(self, nap: Callable[[float], bool], caps: tuple = IDLE_CAPS):
-        self._nap = nap
+    From the first nap of a quiet spell until :meth:`reset`, the bell is armed
+    (peers ring it), and it stays armed across the polls between naps; so one
+    extra poll, right after arming, is all it takes to not miss a frame that
+    was posted before peers could see the arming.
+    """
+
+    def __init__(self, bell: Doorbell | LocalBell, poll: Callable[[], bool],
+                 caps: tuple = ()):
+        self._bell = bell
+        self._poll = poll
         self._caps = caps
         self._delay = BACKOFF_MIN_S
+        self._armed = False
 
     def reset(self) -> None:
+        """Traffic came (or the caller stops polling): short naps, bell disarmed."""
         self._delay = BACKOFF_MIN_S
+        if self._armed:
+            self._armed = False
+            self._bell.disarm()
 
-    def sleep(self, idle_for: float, limit: float) -> bool:
-        """Nap (at most ``limit`` seconds), then lengthen the next nap; True if the nap's
-        last poll found traffic instead."""
-        if self._nap(min(self._delay, limit)):
-            return True
+    def sleep(self, idle_for: float = 0.0, limit: float = float("inf")) -> bool:
+        """Nap (at most ``limit`` seconds), then lengthen the next nap; True, without a
+        nap, if the poll made on arming the bell found traffic."""
+        if not self._armed:
+            self._armed = True
+            self._bell.arm()
+            if self._poll():
+                return True
+        self._bell.wait(min(self._delay, limit))
         cap = BACKOFF_MAX_S
         for after, longer_cap in self._caps:
             if idle_for > after:
@@ -265,23 +283,22 @@ class Transport:
                 return False
             self._driver = me
             self._driver_key = key
-        delay = BACKOFF_MIN_S
+        backoff = _Backoff(self._bell, self._locked_progress_once)
         inbox = self._driver_inbox
         try:
             while not done():
                 if self._locked_progress_once():
-                    delay = BACKOFF_MIN_S
+                    backoff.reset()
                 while inbox:
                     self._run_handler(inbox.popleft())
                 if done():
                     break
                 if self.spin:
                     os.sched_yield()
-                elif self._nap(delay):
-                    delay = BACKOFF_MIN_S
-                else:
-                    delay = min(BACKOFF_MAX_S, delay * 2)
+                elif backoff.sleep():
+                    backoff.reset()
         finally:
+            backoff.reset()
             # The progress thread takes over again at its next check (<= 1 ms);
             # waking it now would only make it fight the caller for the GIL.
             with self._driver_lock:
@@ -382,11 +399,19 @@ class Transport:
 
     def _progress_until(self, finished: Callable[[], bool]) -> None:
         """The polling loop of the progress thread (and of its stand-ins)."""
-        backoff = _Backoff(self._nap, IDLE_CAPS_ALL_RING if self._all_ring else IDLE_CAPS)
+        backoff = _Backoff(self._bell, self._locked_progress_once,
+                           IDLE_CAPS_ALL_RING if self._all_ring else IDLE_CAPS)
         me = threading.get_ident()
+        try:
+            self._poll_until(finished, backoff, me)
+        finally:
+            backoff.reset()
+
+    def _poll_until(self, finished: Callable[[], bool], backoff: _Backoff, me: int) -> None:
         while not finished():
             if self._driver is not None:
                 # The driver posts the outbox too, and answers the doorbell.
+                backoff.reset()
                 time.sleep(BACKOFF_MAX_S)
                 continue
             progressed = self._locked_progress_once()
@@ -409,15 +434,6 @@ class Transport:
                     self._last_activity = time.monotonic()
                     backoff.reset()
                 self._sleepers.discard(me)
-
-    def _nap(self, timeout: float) -> bool:
-        """Sleep until rung or ``timeout`` s pass; True (no sleep) if a last poll, made
-        once peers can see that we nap (see ``_doorbell``), found traffic."""
-        with self._bell.napping():
-            if self._locked_progress_once():
-                return True
-            self._bell.wait(timeout)
-        return False
 
     def _locked_progress_once(self) -> bool:
         with self._mpi_lock:
