@@ -138,6 +138,7 @@ MLP_LAYERS, MLP_WIDTH, MLP_BATCH = 20, 256, 64
 # Per size and round: stop early once a backend took this long (>= 5 samples), so a very
 # slow (or very busy) run still ends in time. Default run / --quick.
 SIZE_CAP_S, QUICK_SIZE_CAP_S = 8.0, 3.0
+WARMUP_S = 0.3  # per size and round, at least (both backends)
 
 TARGET_SEED_SMALL = 0.4  # ours / TP at 3x3
 TARGET_SEED_BIG = 0.7  # ours / TP at 1024x1024
@@ -292,8 +293,12 @@ def time_seed(backend: SeedBackend, plan, cap_s: float, keep_grads: dict) -> dic
             seed_iteration(backend.rpc, backend.dist_autograd, t1, t2), t1, t2, ref, what
         )
         start = time.perf_counter()
-        for _ in range(warmup):
+        done = 0
+        # The planned iterations, and at least WARMUP_S: after a quiet spell an RPC agent
+        # runs slower for ~0.1 s (bench_rpc.py), and a count favours the slower backend.
+        while done < warmup or time.perf_counter() - start < WARMUP_S:
             seed_iteration(backend.rpc, backend.dist_autograd, t1, t2)
+            done += 1
             if time.perf_counter() - start > cap_s / 4:
                 break
         gc.collect()
