@@ -26,7 +26,8 @@ What is measured, per round and backend (rounds interleave backends: mpi, py, ou
 1. init time;
 2. round-trip time of ``rpc_sync("worker1", torch.add, (t, 1))`` (raw MPI: send ``t``, receive it
    back) for float32 tensors of 8 B .. 64 MiB, after a warm-up (the planned calls, and for the
-   RPC backends at least 0.3 s: the same time for each); per-size median; at the largest
+   RPC backends at least 0.3 s; they are also timed for at least 0.5 s, so that both are
+   sampled over stretches of the same length); per-size median; at the largest
    size also ``rpc_sync("worker1", echo, (t,))`` (``echo`` returns its argument): the tensor's
    plain round trip, what raw MPI does (the add of 64 MiB alone costs about as much as both
    copies, page faults of its fresh result included); the same ``echo`` of the 8 B tensor (a
@@ -148,10 +149,13 @@ class Backend:
 
     name = "base"
     label = "base"
-    #: Warm up for at least this long too (0: the planned calls only). RPC agents need
-    #: it: after a quiet spell ours runs 1.5-2x slower for ~0.1 s (more than 200 8 B
-    #: calls), and a fixed count gave the faster backend the shorter warm-up.
+    #: Warm up, and time, for at least this long too (0: the planned calls only). For the
+    #: RPC backends, so that both are sampled over stretches of the same length: this VM's
+    #: speed changes over hundreds of ms, and a fixed count gave the faster backend the
+    #: shorter warm-up (after a quiet spell ours runs 1.5-2x slower for ~0.1 s, more than
+    #: 200 8 B calls) and a window a slow stretch could cover whole.
     warm_for_s = 0.0
+    time_for_s = 0.0
 
     def __init__(self, comm: MPI.Comm):
         self.comm = comm  # harness communicator, for setup only
@@ -321,6 +325,7 @@ class RpcBackend(Backend):
     """Anything with the ``torch.distributed.rpc`` API: init_rpc / rpc_sync / shutdown."""
 
     warm_for_s = 0.3
+    time_for_s = 0.5
 
     def rpc_module(self):
         raise NotImplementedError
@@ -409,6 +414,8 @@ def time_sizes(backend: Backend, plan: list[tuple[int, int, int]]) -> dict[int, 
             backend.roundtrip(t)
             done += 1
         per_call = max(time.perf_counter() - t0, 1e-9) / max(done, 1)
+        if backend.time_for_s:  # as many calls as fill that time (at most 100x the plan)
+            iters = max(iters, min(100 * iters, int(backend.time_for_s / per_call)))
         iters = max(5, min(iters, int(SIZE_CAP_S / per_call)))  # bound the time on a slow box
         gc.collect()
         backend.begin_timed(iters)
