@@ -132,6 +132,11 @@ def _decode_and_call(payload: bytes, tensors: list) -> tuple[Callable, Any]:
     return func, func(*args, **kwargs)
 
 
+#: ``Future.done`` without torch's Python wrapper around it (0.14 instead of 0.33 us): a
+#: waiting thread checks it after every poll, 5-15 times per round trip.
+_future_done = torch._C.Future.done
+
+
 class _UserFuture(torch.futures.Future):
     """The future of ``rpc_async``: ``wait()`` drives MPI progress on the waiting thread,
     as ``rpc_sync`` does, and completes the future with the response it received.
@@ -149,7 +154,7 @@ class _UserFuture(torch.futures.Future):
         self.completion: Callable[[], None] | None = None  # set by the waiter's delivery
 
     def _answered(self) -> bool:
-        return self.completion is not None or self.done()
+        return self.completion is not None or _future_done(self)
 
     def wait(self) -> Any:
         if not self.done():
@@ -500,7 +505,7 @@ class Agent:
     def wait(self, future: torch.futures.Future) -> Any:
         """Wait for ``future``, driving MPI progress on this thread meanwhile."""
         if not future.done():
-            self.transport.drive_until(future.done)
+            self.transport.drive_until(functools.partial(_future_done, future))
         return future.wait()
 
     def wait_done(self, future: torch.futures.Future, timeout: float, key: Any = None) -> bool:

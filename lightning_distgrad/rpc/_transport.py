@@ -283,22 +283,23 @@ class Transport:
                 return False
             self._driver = me
             self._driver_key = key
-        backoff = _Backoff(self._bell, self._locked_progress_once)
+        backoff = None if self.spin else _Backoff(self._bell, self._locked_progress_once)
         inbox = self._driver_inbox
         try:
             while not done():
-                if self._locked_progress_once():
-                    backoff.reset()
+                progressed = self._locked_progress_once()
                 while inbox:
                     self._run_handler(inbox.popleft())
-                if done():
-                    break
-                if self.spin:
+                if progressed:  # done() may be true now: check before yielding
+                    if backoff is not None:
+                        backoff.reset()
+                elif backoff is None:
                     os.sched_yield()
                 elif backoff.sleep():
                     backoff.reset()
         finally:
-            backoff.reset()
+            if backoff is not None:
+                backoff.reset()
             # The progress thread takes over again at its next check (<= 1 ms);
             # waking it now would only make it fight the caller for the GIL.
             with self._driver_lock:
