@@ -12,6 +12,7 @@ import pytest
 from _dist_utils import wait_until
 from mpi4py import MPI
 
+from lightning_distgrad.rpc import _doorbell
 from lightning_distgrad.rpc._doorbell import Doorbell, LocalBell
 from lightning_distgrad.rpc._transport import Transport, _Backoff
 from lightning_distgrad.rpc._wire import Frame
@@ -77,8 +78,8 @@ def test_one_poll_after_a_nap_delivers_a_frame_that_the_first_probe_misses():
 
 def test_a_ring_wakes_a_napping_peer():
     token = os.urandom(8).hex()
+    ringer = Doorbell.create(token, 0, [0, 1])  # the node's first agent creates the board
     sleeper = Doorbell.create(token, 1, [0, 1])
-    ringer = Doorbell.create(token, 0, [0, 1])
     assert isinstance(sleeper, Doorbell) and isinstance(ringer, Doorbell)
     napping = threading.Event()
 
@@ -110,8 +111,9 @@ def test_only_a_napping_peer_is_rung():
     # A peer that polls without napping would only collect rings it never reads
     # (and a full queue makes each ring raise): it is not rung.
     token = os.urandom(8).hex()
-    peer = Doorbell.create(token, 1, [0, 1])
     bell = Doorbell.create(token, 0, [0, 1])
+    peer = Doorbell.create(token, 1, [0, 1])
+    assert bell.has_board() and peer.has_board()
     try:
         bell.ring(1)
         assert _queued_rings(peer) == 0
@@ -131,6 +133,26 @@ def test_only_a_napping_peer_is_rung():
         bell.close()
         peer.close()
     assert not os.path.exists(bell._board_path)  # no file left behind in /dev/shm
+
+
+def test_agents_without_a_shared_board_ring_every_frame(monkeypatch, tmp_path):
+    token = os.urandom(8).hex()
+    first = Doorbell.create(token, 0, [0, 1])
+    # A peer with a private /dev/shm (a container) that even holds a stranger's file of
+    # that name: it must not take that file, or its own, for the node's board.
+    (tmp_path / f"lightning_distgrad-{token}").write_bytes(bytes(64))
+    monkeypatch.setattr(_doorbell, "BOARD_DIR", str(tmp_path))
+    peer = Doorbell.create(token, 1, [0, 1])
+    try:
+        assert first.has_board() and not peer.has_board()
+        first.ring(1)
+        assert _queued_rings(peer) == 0  # with the board: a peer that does not nap
+        first.drop_board()  # as the transport does unless every agent has the board
+        first.ring(1)
+        assert _queued_rings(peer) == 1  # rung, napping or not
+    finally:
+        first.close()
+        peer.close()
 
 
 def test_rings_are_hints_that_never_fail():

@@ -31,6 +31,8 @@ import threading
 
 #: Where nap boards live (tmpfs: shared memory that no disk ever sees).
 BOARD_DIR = "/dev/shm"
+#: A board starts with the node's token (16 hex digits), then one byte per agent.
+BOARD_HEADER = 16
 
 
 class LocalBell:
@@ -62,6 +64,13 @@ class LocalBell:
     def disarm(self) -> None:
         """Undo one :meth:`arm`."""
 
+    def has_board(self) -> bool:
+        """Nobody can ring this agent: it needs no nap board."""
+        return True
+
+    def drop_board(self) -> None:
+        """Ring napping or not (without a shared nap board)."""
+
     def forget_board(self) -> None:
         """Remove the nap board's name once every agent of the node has opened it."""
 
@@ -79,11 +88,13 @@ class Doorbell:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self._own)
         self._sock.setblocking(False)
-        # The nap board: byte i is set while node_ranks[i] naps (None: ring always).
-        self._slot = {r: i for i, r in enumerate(node_ranks)}
+        # The nap board: byte BOARD_HEADER + i is set while node_ranks[i] naps (None:
+        # ring always). The node's first agent creates it; the others open it after.
+        self._slot = {r: BOARD_HEADER + i for i, r in enumerate(node_ranks)}
         self._own_slot = self._slot[rank]
         self._board_path = os.path.join(BOARD_DIR, f"lightning_distgrad-{token}")
-        self._board = _open_board(self._board_path, len(node_ranks))
+        self._board = _open_board(self._board_path, token, len(node_ranks),
+                                  create=rank == node_ranks[0])
         self._armed = 0  # this agent's armed threads (see arm)
         self._armed_lock = threading.Lock()
 
@@ -139,6 +150,17 @@ class Doorbell:
             if self._board is not None:
                 self._board[self._own_slot] = 1 if self._armed else 0
 
+    def has_board(self) -> bool:
+        """Whether this agent mapped the node's nap board (see :func:`_open_board`)."""
+        return self._board is not None
+
+    def drop_board(self) -> None:
+        """Ring every peer, napping or not: call on every agent of the node unless all
+        have the board (a peer without it never sets its byte, so it was never rung)."""
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+
     def forget_board(self) -> None:
         """Remove the nap board's name once every agent of the node has opened it (the
         memory stays while mapped; nothing is left behind in ``BOARD_DIR``)."""
@@ -148,23 +170,32 @@ class Doorbell:
     def close(self) -> None:
         self._sock.close()
         self.forget_board()
-        if self._board is not None:
-            self._board.close()
-            self._board = None
+        self.drop_board()
 
 
-def _open_board(path: str, size: int) -> mmap.mmap | None:
-    """Map the nap board of a node (``size`` bytes, created by whoever comes first); None
-    where shared memory files are missing: then every frame rings."""
+def _open_board(path: str, token: str, agents: int, create: bool) -> mmap.mmap | None:
+    """Map a node's nap board: the token, then one byte per agent.
+
+    The node's first agent creates it; the others open it once it exists and check the
+    token, so agents that do not share ``BOARD_DIR`` (containers with a private
+    ``/dev/shm``) get None instead of a board of their own that nobody else sees.
+    """
+    size = BOARD_HEADER + agents
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_size < size:
+        if create:
             os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
-    except OSError:
+        board = mmap.mmap(fd, size)
+    except (OSError, ValueError):  # ValueError: the file is shorter than the board
         return None
     finally:
         os.close(fd)
+    if create:
+        board[:BOARD_HEADER] = token.encode().ljust(BOARD_HEADER)[:BOARD_HEADER]
+    elif board[:BOARD_HEADER] != token.encode().ljust(BOARD_HEADER)[:BOARD_HEADER]:
+        board.close()
+        return None
+    return board

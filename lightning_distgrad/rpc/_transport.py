@@ -171,10 +171,18 @@ class Transport:
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.spin = node.Get_size() <= len(os.sched_getaffinity(0))
         token = node.bcast(os.urandom(8).hex() if node.Get_rank() == 0 else None)
-        self._bell = Doorbell.create(token, self.rank, node.allgather(self.rank))
+        node_ranks = node.allgather(self.rank)
+        first = node.Get_rank() == 0  # its bell creates the nap board, the others open it
+        if first:
+            self._bell = Doorbell.create(token, self.rank, node_ranks)
+        node.Barrier()
+        if not first:
+            self._bell = Doorbell.create(token, self.rank, node_ranks)
+        # Peers that do not nap are not rung only where every agent shares the board.
+        if not node.allreduce(self._bell.has_board(), op=MPI.LAND):
+            self._bell.drop_board()
+        self._bell.forget_board()  # every agent of the node has opened it
         self._all_ring = isinstance(self._bell, Doorbell) and node.Get_size() == self.size
-        node.Barrier()  # every agent of the node has opened the nap board
-        self._bell.forget_board()
         node.Free()
         # Below SERIALIZED only the progress thread may call MPI.
         self._any_thread_may_send = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
