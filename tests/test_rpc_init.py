@@ -7,6 +7,7 @@ restarts it afterwards), so each starts and stops its own agents.
 from __future__ import annotations
 
 import builtins
+import threading
 import time
 
 import pytest
@@ -32,6 +33,16 @@ def world_rank():
 def slow_add(seconds, x):
     time.sleep(seconds)
     return x + 1
+
+
+_handler_started = threading.Event()
+
+
+def fetch_later(rref, seconds):
+    """Holds a user RRef while its worker's main thread enters shutdown, then uses it."""
+    _handler_started.set()
+    time.sleep(seconds)
+    return rref.to_here()
 
 
 def fire_and_forget(to, seconds, x):
@@ -253,6 +264,23 @@ def test_graceful_shutdown_with_uneven_workload(rpc_stopped):
                               (0.02, i)) for i in range(60)]
     rpc.shutdown()
     assert [fut.wait() for fut in futs] == [i + 1 for i in range(len(futs))]
+
+
+def test_user_rrefs_stay_valid_until_every_worker_called_shutdown(rpc_stopped):
+    # As in the DDP+RPC tutorial, a worker calls shutdown at once and serves work that
+    # uses RRefs meanwhile: torch deletes user RRefs only once every worker is in
+    # shutdown. Deleting them at once failed the trainer with "after deletion".
+    _handler_started.clear()
+    rpc.init_rpc()
+    fut = None
+    if rpc_stopped.rank == 0:
+        fut = rpc.rpc_async(rpc_stopped.names[1], fetch_later, (rpc.RRef(torch.ones(2)), 0.5))
+    elif rpc_stopped.rank == 1:
+        assert _handler_started.wait(60)  # the request (and its user RRef) is here
+    rpc_stopped.barrier()
+    if fut is not None:
+        assert torch.equal(fut.wait(), torch.ones(2))
+    rpc.shutdown()
 
 
 def test_graceful_shutdown_waits_for_fire_and_forget_chains(rpc_stopped):

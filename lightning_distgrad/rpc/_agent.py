@@ -529,6 +529,10 @@ class Agent:
     def num_pending(self) -> int:
         return len(self._pending)
 
+    def wait_all_workers(self) -> None:
+        """Return once every rank called this (this rank keeps serving meanwhile)."""
+        self.transport.allreduce_sum([0])
+
     def wait_quiescent(self, timeout: float = 0) -> None:
         """Return once no rank has work left: every request answered everywhere."""
         deadline = time.monotonic() + timeout if timeout > 0 else None

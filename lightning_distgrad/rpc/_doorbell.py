@@ -17,7 +17,8 @@ while that agent naps; a sender reads its peer's byte and rings only if it is
 set. The napper sets its byte (:meth:`Doorbell.arm`), then polls once more
 before it sleeps: a frame posted before the byte was visible is found by that
 poll, one posted after it is rung. The byte stays set across the polls between
-naps, until traffic comes.
+naps, until traffic comes. The node's first agent creates the board and the others
+check its token; unless every agent of the node has it, every frame rings.
 """
 
 from __future__ import annotations
@@ -193,9 +194,10 @@ def _open_board(path: str, token: str, agents: int, create: bool) -> mmap.mmap |
         return None
     finally:
         os.close(fd)
+    header = token.encode().ljust(BOARD_HEADER)[:BOARD_HEADER]
     if create:
-        board[:BOARD_HEADER] = token.encode().ljust(BOARD_HEADER)[:BOARD_HEADER]
-    elif board[:BOARD_HEADER] != token.encode().ljust(BOARD_HEADER)[:BOARD_HEADER]:
+        board[:BOARD_HEADER] = header
+    elif board[:BOARD_HEADER] != header:
         board.close()
         return None
     return board

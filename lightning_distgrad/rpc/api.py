@@ -167,9 +167,10 @@ def _shutdown_at_exit() -> None:
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     r"""Stop the agent. Graceful: wait until every rank's outstanding work is done.
 
-    With ``graceful=True`` (a collective) user RRefs are released, every
-    request in the job is answered, then the agent stops. With
-    ``graceful=False`` only this rank's agent stops at once.
+    With ``graceful=True`` (a collective) this rank keeps serving until every
+    rank has called ``shutdown``; then user RRefs are released, every request
+    in the job is answered, and the agent stops. With ``graceful=False`` only
+    this rank's agent stops at once.
 
     Args:
         graceful (bool): wait for all ranks (default True).
@@ -183,6 +184,10 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     agent = _core.require_agent()
     try:
         if graceful:
+            # As torch's: user RRefs go only once every worker is in shutdown. A worker
+            # that calls it at once (a tutorial's trainer) still serves work that uses
+            # them, and deleting them here failed that work ("after deletion").
+            agent.wait_all_workers()
             _rref._require_context().delete_all_users(agent)
             agent.wait_quiescent(timeout)
     finally:
