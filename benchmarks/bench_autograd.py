@@ -38,8 +38,14 @@ Measured, side by side in one run (rounds interleave the steps, rotating their o
   thread (which runs a CPU graph's backward; other processes' load barely changes it).
   The context enter/exit and ``get_gradients`` are timed apart ("ctx"). Our RPC agent is
   initialised for this step, as it must be for a context.
+* ``floor``: what the design note's iteration costs with no RPC stack at all, its kernels
+  at local autograd's speed (one fwd+bwd of the same graph, rank 0) plus its six messages
+  at raw MPI's (``Isend``/``Irecv`` of the same tensor sizes in the same order between warm,
+  page-aligned buffers, both ranks), one after the other as the example's data
+  dependencies order them. ``floor/TP`` above a target means the target asks for less
+  than moving those bytes and running those kernels takes on this machine.
 
-Correctness is asserted, not assumed: every step checks the gradients of its first
+Correctness is asserted, not assumed: every seed and MLP step checks the gradients of its first
 iteration and of its last timed one against plain local autograd on the same values
 (``torch.testing.assert_close``), the run checks ours against TensorPipe's, and the MLP
 step checks our per-parameter gradients against plain ``.grad``. A failed check marks
@@ -158,7 +164,12 @@ STEP_LABELS = {
     "ours": "ours (lightning_distgrad)",
     "tp": "TensorPipe (torch.distributed)",
     "mlp": "local MLP (ours vs plain)",
+    "floor": "sequential floor (local autograd + raw MPI)",
 }
+# The seed iteration's messages in order, as (sender, n x n float32 tensors): the two
+# requests (t1, t2) and their results, the root's gradients for t3 and t4, and the worker's
+# gradients for the t1 and t2 of both RPCs (those of ``add`` are one tensor, so three).
+FLOOR_MESSAGES = ((0, 2), (1, 1), (0, 2), (1, 1), (0, 2), (1, 3))
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,6 +291,68 @@ class TensorPipe(SeedBackend):
 
     def init_kwargs(self) -> dict:
         return tensorpipe_kwargs(self.rpc, self.comm)
+
+
+class Floor(SeedBackend):
+    """No RPC stack: the floor step times local autograd and raw MPI (see time_floor)."""
+
+    name = "floor"
+
+    def init(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def time_floor(comm: MPI.Comm, plan) -> dict:
+    """Both ranks; rank 0 returns, per size, what an iteration of the seed example costs
+    if its kernels ran at local autograd's speed and its messages at raw MPI's, one after
+    another (``transfers`` + ``kernels``).
+
+    The example's data dependencies order nearly everything: each ``rpc_sync`` waits for
+    its result, and each gradient message waits for the kernels before it. The floor is
+    optimistic where it can be: every message is one ``Isend``/``Irecv`` per tensor
+    between buffers allocated once (page-aligned, so MPI's single-copy path runs at full
+    speed, and cache-warm), and the kernels are one local fwd+bwd of the same graph.
+    """
+    rank = comm.Get_rank()
+    peer = 1 - rank
+    out = {}
+    for n, iters, warmup in plan:
+        count = max(t for _, t in FLOOR_MESSAGES)
+        buffers = [_aligned_buffer(n * n * 4) for _ in range(count)]
+        transfers = []
+        for i in range(warmup + iters):
+            start = time.perf_counter()
+            for sender, tensors in FLOOR_MESSAGES:
+                post = comm.Isend if sender == rank else comm.Irecv
+                requests = [post([b, MPI.BYTE], peer, 7) for b in buffers[:tensors]]
+                while not MPI.Request.Testall(requests):
+                    pass
+            if i >= warmup:
+                transfers.append(time.perf_counter() - start)
+        quiet_barrier(comm)  # rank 1 sleeps while rank 0 times the kernels
+        if rank == 0:
+            t1, t2 = seed_inputs(n)
+            kernels = []
+            for i in range(warmup + iters):
+                start = time.perf_counter()
+                seed_reference(t1, t2)
+                if i >= warmup:
+                    kernels.append(time.perf_counter() - start)
+            phases = {"transfers": med(transfers), "kernels": med(kernels)}
+            out[n] = {"median": sum(phases.values()), "phases": phases}
+        quiet_barrier(comm)
+    return out
+
+
+def _aligned_buffer(nbytes: int, align: int = 4096):
+    import numpy as np
+
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start : start + nbytes]
 
 
 def time_seed(backend: SeedBackend, plan, cap_s: float, keep_grads: dict) -> dict:
@@ -433,7 +506,11 @@ def run_step(name: str, backends: dict, args, comm: MPI.Comm, keep_grads: dict) 
         return step
     quiet_barrier(comm)
     try:
-        if rank == 0:
+        if name == "floor":
+            floor = time_floor(comm, args.plan)
+            if rank == 0:
+                step["seed"] = floor
+        elif rank == 0:
             if name == "mlp":
                 step["mlp"] = time_mlp(backend.dist_autograd, args.mlp_iters)
             else:
@@ -578,7 +655,7 @@ def aggregate(steps: list[dict], names: list[str], sizes: list[int]) -> dict:
                     "per_round": per_round,
                     "phases": {
                         p: med([s["seed"][n]["phases"][p] for s in ok if n in s["seed"]])
-                        for p in PHASES
+                        for p in next(s["seed"][n]["phases"] for s in ok if n in s["seed"])
                     },
                 }
             b["seed"] = seed
@@ -617,6 +694,23 @@ def print_report(summary: dict, names, sizes, skipped: dict, grad_checks: dict) 
             f"{f'{n}x{n}':>10}  {cells[0]:<31}{cells[1]:<31}"
             f"{fr(ratio(get('ours', n), get('tp', n))):>8}{'<= ' + str(target):>9}"
         )
+    if summary.get("floor", {}).get("seed"):
+        p()
+        p("Sequential floor: the same kernels with local autograd plus the same messages with")
+        p("raw MPI between warm, aligned buffers, one after the other (see time_floor):")
+        p(
+            f"{'size':>10}  {'kernels':>10}{'transfers':>11}{'floor':>10}{'floor/TP':>10}"
+            f"{'ours/floor':>12}"
+        )
+        for n in sizes:
+            r = summary["floor"]["seed"].get(n)
+            if r:
+                p(
+                    f"{f'{n}x{n}':>10}  {fmt_time(r['phases']['kernels']):>10}"
+                    f"{fmt_time(r['phases']['transfers']):>11}{fmt_time(r['median']):>10}"
+                    f"{fr(ratio(r['median'], get('tp', n))):>10}"
+                    f"{fr(ratio(get('ours', n), r['median'])):>12}"
+                )
     p()
     p("Phase breakdown, rank 0 (median per phase; phases sum to about the total):")
     p(f"{'':>15}" + "".join(f"{ph:>11}" for ph in PHASES))
@@ -1074,8 +1168,9 @@ def analyse_trace(
     return out.getvalue()
 
 
-def trace_ours(backend: Ours, comm: MPI.Comm, iters: int, hang_timeout: float,
-               size: int = 3) -> str | None:
+def trace_ours(
+    backend: Ours, comm: MPI.Comm, iters: int, hang_timeout: float, size: int = 3
+) -> str | None:
     """N iterations of the seed loop with TRACE_POINTS timed on every thread of both ranks."""
     rank = comm.Get_rank()
     t1, t2 = seed_inputs(size)
@@ -1125,7 +1220,7 @@ def main() -> int:
     ap.add_argument(
         "--rounds", type=int, default=None, help="interleaved rounds (default 7, --quick 3)"
     )
-    ap.add_argument("--steps", default="ours,tp,mlp", help="comma list of ours,tp,mlp")
+    ap.add_argument("--steps", default="ours,tp,mlp,floor", help="comma list of ours,tp,mlp,floor")
     ap.add_argument("--tag", default=None, help="output file stem (default bench_autograd[_quick])")
     ap.add_argument(
         "--wait-quiet",
@@ -1209,7 +1304,7 @@ def main() -> int:
     sizes = [n for n, _, _ in args.plan]
     tag = args.tag or ("bench_autograd_quick" if args.quick else "bench_autograd")
 
-    backends = {"ours": Ours(comm), "tp": TensorPipe(comm)}
+    backends = {"ours": Ours(comm), "tp": TensorPipe(comm), "floor": Floor(comm)}
     names, skipped = [], {}
     for name in [s.strip() for s in args.steps.split(",") if s.strip()]:
         if name not in STEP_LABELS:
@@ -1251,8 +1346,9 @@ def main() -> int:
         profile_text = profile_ours(backends["ours"], comm, args.profile, tag, args.hang_timeout)
     trace_text = None
     if args.trace and "ours" in names:
-        trace_text = trace_ours(backends["ours"], comm, args.trace, args.hang_timeout,
-                                args.trace_size)
+        trace_text = trace_ours(
+            backends["ours"], comm, args.trace, args.hang_timeout, args.trace_size
+        )
     env["loadavg_end"] = load_average()
     timer.cancel()
     if rank != 0:
@@ -1266,7 +1362,7 @@ def main() -> int:
         grad_ok = grad_ok and "AssertionError" not in s["error"]
     if errors:
         grad_lines.append(f"FAIL  {len(errors)} step(s) failed (see errors above)")
-    checked = [s["step"] for s in steps if "error" not in s]
+    checked = [s["step"] for s in steps if "error" not in s and s["step"] != "floor"]
     if checked:
         grad_lines.append(
             f"PASS  every step's first and last timed iteration matched local autograd "
