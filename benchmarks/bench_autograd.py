@@ -316,12 +316,15 @@ def time_floor(comm: MPI.Comm, plan) -> dict:
     between buffers allocated once (page-aligned, so MPI's single-copy path runs at full
     speed, and cache-warm), and the kernels are one local fwd+bwd of the same graph.
     """
+    # The receive buffers' allocator of our transport: page-aligned numpy arrays.
+    from lightning_distgrad.rpc._wire import _aligned_empty
+
     rank = comm.Get_rank()
     peer = 1 - rank
+    count = max(t for _, t in FLOOR_MESSAGES)
     out = {}
     for n, iters, warmup in plan:
-        count = max(t for _, t in FLOOR_MESSAGES)
-        buffers = [_aligned_buffer(n * n * 4) for _ in range(count)]
+        buffers = [_aligned_empty(n * n * 4) for _ in range(count)]
         transfers = []
         for i in range(warmup + iters):
             start = time.perf_counter()
@@ -345,14 +348,6 @@ def time_floor(comm: MPI.Comm, plan) -> dict:
             out[n] = {"median": sum(phases.values()), "phases": phases}
         quiet_barrier(comm)
     return out
-
-
-def _aligned_buffer(nbytes: int, align: int = 4096):
-    import numpy as np
-
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = -raw.ctypes.data % align
-    return raw[start : start + nbytes]
 
 
 def time_seed(backend: SeedBackend, plan, cap_s: float, keep_grads: dict) -> dict:
