@@ -40,8 +40,8 @@ Measured, side by side in one run (rounds interleave the steps, rotating their o
   initialised for this step, as it must be for a context.
 * ``floor``: what the design note's iteration costs with no RPC stack at all, its kernels
   at local autograd's speed (one fwd+bwd of the same graph, rank 0) plus its six messages
-  at raw MPI's (``Isend``/``Irecv`` of the same tensor sizes in the same order between warm,
-  page-aligned buffers, both ranks), one after the other as the example's data
+  at raw MPI's (``Isend``/``Irecv`` of the same tensor sizes in the same order, each tensor
+  its own page-aligned buffer allocated once, both ranks), one after the other as the example's data
   dependencies order them. ``floor/TP`` above a target means the target asks for less
   than moving those bytes and running those kernels takes on this machine.
 
@@ -314,23 +314,27 @@ def time_floor(comm: MPI.Comm, plan) -> dict:
     its result, and each gradient message waits for the kernels before it. The floor is
     optimistic where it can be: every message is one ``Isend``/``Irecv`` per tensor
     between buffers allocated once (page-aligned, so MPI's single-copy path runs at full
-    speed, and cache-warm), and the kernels are one local fwd+bwd of the same graph.
+    speed), and the kernels are one local fwd+bwd of the same graph. Each tensor has a
+    buffer of its own, as in the iteration, where they coexist (saved for the backward).
+    (Until session 12 three buffers served every message, each in turn sent and received
+    into: that moved the 44 MiB at 4-5.5 GB/s, one buffer per tensor at 10-12 GB/s.)
     """
     # The receive buffers' allocator of our transport: page-aligned numpy arrays.
     from lightning_distgrad.rpc._wire import _aligned_empty
 
     rank = comm.Get_rank()
     peer = 1 - rank
-    count = max(t for _, t in FLOOR_MESSAGES)
     out = {}
     for n, iters, warmup in plan:
-        buffers = [_aligned_empty(n * n * 4) for _ in range(count)]
+        # One buffer per tensor of the iteration, as many as it moves: at 1024x1024 they
+        # (44 MiB) outgrow the cache, as the iteration's tensors do.
+        buffers = [[_aligned_empty(n * n * 4) for _ in range(t)] for _, t in FLOOR_MESSAGES]
         transfers = []
         for i in range(warmup + iters):
             start = time.perf_counter()
-            for sender, tensors in FLOOR_MESSAGES:
+            for (sender, _), message in zip(FLOOR_MESSAGES, buffers, strict=True):
                 post = comm.Isend if sender == rank else comm.Irecv
-                requests = [post([b, MPI.BYTE], peer, 7) for b in buffers[:tensors]]
+                requests = [post([b, MPI.BYTE], peer, 7) for b in message]
                 while not MPI.Request.Testall(requests):
                     pass
             if i >= warmup:
@@ -692,7 +696,7 @@ def print_report(summary: dict, names, sizes, skipped: dict, grad_checks: dict) 
     if summary.get("floor", {}).get("seed"):
         p()
         p("Sequential floor: the same kernels with local autograd plus the same messages with")
-        p("raw MPI between warm, aligned buffers, one after the other (see time_floor):")
+        p("raw MPI between aligned buffers, one after the other (see time_floor):")
         p(
             f"{'size':>10}  {'kernels':>10}{'transfers':>11}{'floor':>10}{'floor/TP':>10}"
             f"{'ours/floor':>12}"
