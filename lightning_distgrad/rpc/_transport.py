@@ -3,11 +3,12 @@
 MPI calls are serialised by one lock. Senders post their frames themselves
 when the lock is free (else they leave them on an outbox); the progress thread
 polls for incoming frames, and a thread waiting for an RPC result polls in its
-place. Nobody parks inside a blocking MPI call (MPICH spins there, costing a
-whole core): the poller uses ``Improbe``/``Testall`` and, when idle, first
-yields for a short hot window, then sleeps with an exponential backoff capped
-at 1-4 ms (mpi4py.futures style). Senders on the same node cut the sleep short
-with a doorbell (see ``_doorbell``).
+place (the progress thread then sleeps on the doorbell, see ``_driver_leaves``).
+Nobody parks inside a blocking MPI call (MPICH spins there, costing a whole
+core): the poller uses ``Improbe``/``Testall`` and, when idle, first yields for
+a short hot window, then sleeps with an exponential backoff capped at 1-4 ms
+(mpi4py.futures style). Senders on the same node cut the sleep short with a
+doorbell (see ``_doorbell``).
 
 The progress thread runs the request handlers it hands over itself (see
 ``run_here``); while one runs longer than 1 ms, a stand-in thread polls in its
@@ -521,7 +522,7 @@ class Transport:
         driving = self._driver == me
         if driving:
             key = self._driver_key  # kept: keyed frames delivered meanwhile wait for us
-            self._driver = None  # the progress thread polls meanwhile
+            self._driver = None  # the progress thread polls meanwhile, once rung
             self._driver_leaves()
         else:
             self._handling = (time.monotonic(),)  # a fresh tuple: this run's token
