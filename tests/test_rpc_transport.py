@@ -393,11 +393,12 @@ def test_sender_holding_a_lock_that_a_completion_callback_needs_does_not_deadloc
 _notified: list = []
 
 
-def record_notification(value, tensor):
+def record_notification(value, tensors):
+    (tensor,) = tensors
     _notified.append((value, tensor.clone()))
 
 
-def notification_that_raises():
+def notification_that_raises(tensors):
     raise ValueError("a notification failed")
 
 
@@ -413,7 +414,7 @@ def test_notifications_run_on_the_peer_and_errors_stay_there(rpc_world, capfd):
     big = make_tensor(BIG, seed=world.rank)
     agent.notify(world.peer_rank(), notification_that_raises, ())
     for i in range(3):
-        agent.notify(world.peer_rank(), record_notification, (i, big))
+        agent.notify(world.peer_rank(), record_notification, (i,), [big])
     assert wait_until(lambda: len(rpc.rpc_sync(world.peer(), notified_values)) == 3)
     got = rpc.rpc_sync(world.peer(), notified_values)
     assert sorted(v for v, _ in got) == [0, 1, 2]

@@ -584,10 +584,11 @@ def _ship(p: _Pass, messages: list[tuple[int, list]], credit: Credit) -> None:
     agent = _core.require_agent()
     for peer, items in messages:
         carried = report if peer == root else None
+        layout = [(msg_id, len(grads)) for msg_id, grads in items]
         try:
             agent.notify(peer, _propagate_gradients,
-                         (context_id, items, p.retain_graph, p.pass_id, share, carried),
-                         key=p.pass_id)
+                         (context_id, layout, p.retain_graph, p.pass_id, share, carried),
+                         [g for _, grads in items for g in grads], key=p.pass_id)
         except Exception as e:  # never sent: its credit and report come back here
             kept = add_credit(kept, share)
             error = error or _wrap_error(me, e).with_traceback(e.__traceback__)
@@ -633,10 +634,16 @@ def _worker_pass(ctx: DistAutogradContext, pass_id: tuple, retain_graph: bool) -
         return p
 
 
-def _propagate_gradients(context_id: int, items: list[tuple[int, list[torch.Tensor]]],
-                         retain_graph: bool, pass_id: tuple, credit: Credit,
-                         report: tuple | None) -> None:
-    """A gradient message (NOTIFY), on the worker that sent the messages of ``items``."""
+def _propagate_gradients(context_id: int, layout: list[tuple[int, int]], retain_graph: bool,
+                         pass_id: tuple, credit: Credit, report: tuple | None,
+                         tensors: list[torch.Tensor]) -> None:
+    """A gradient message (NOTIFY), on the worker that sent the messages it answers:
+    ``layout`` gives each message id and how many of ``tensors`` are its gradients."""
+    items = []
+    start = 0
+    for msg_id, count in layout:
+        items.append((msg_id, tensors[start:start + count]))
+        start += count
     cont = container()
     is_root = pass_id[0] == cont.worker_id
     ctx = cont.find(context_id)
