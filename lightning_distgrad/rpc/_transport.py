@@ -302,7 +302,7 @@ class Transport:
                 return False
             self._driver = me
             self._driver_key = key
-            self._driver_arrives()
+            self._disarm_absence()
         backoff = None if self.spin else _Backoff(self._bell, self._locked_progress_once)
         inbox = self._driver_inbox
         try:
@@ -332,8 +332,12 @@ class Transport:
             self._driver_leaves()
         return True
 
-    def _driver_arrives(self) -> None:
-        """A thread drives (under ``_driver_lock``): peers need not ring us any more."""
+    def _disarm_absence(self) -> None:
+        """Someone polls again (call under ``_driver_lock``): undo _driver_leaves' arming.
+
+        A driver that arrives disarms; so does the progress thread when it takes
+        over, since it arms the bell itself when it naps.
+        """
         if self._absence_armed:
             self._absence_armed = False
             self._bell.disarm()
@@ -355,12 +359,6 @@ class Transport:
         if (self._sends or self._incoming or self._outbox or self._ready
                 or self._frame_waiting()):
             self._bell.ring_self()
-
-    def _end_absence(self) -> None:
-        """The progress thread polls again: it arms the bell itself when it naps."""
-        with self._driver_lock:
-            if self._driver is None:
-                self._driver_arrives()
 
     def _frame_waiting(self) -> bool:
         """Whether a frame waits to be received (False while another thread polls)."""
@@ -479,7 +477,8 @@ class Transport:
                 self._sleepers.discard(me)
                 continue
             if self._absence_armed:
-                self._end_absence()
+                with self._driver_lock:
+                    self._disarm_absence()
             progressed = self._locked_progress_once()
             now = time.monotonic()
             if progressed:
@@ -538,7 +537,7 @@ class Transport:
                 with self._driver_lock:  # a nested wait in the handler drove and left
                     if self._driver is None:
                         self._driver, self._driver_key = me, key
-                        self._driver_arrives()
+                        self._disarm_absence()
 
     def _stand_in_loop(self) -> None:
         """Poll in the progress thread's place while it runs a long handler.
