@@ -19,7 +19,7 @@ import torch
 
 from lightning_distgrad import rpc
 from lightning_distgrad.rpc import WorkerInfo, _core
-from lightning_distgrad.rpc._agent import REQUEST
+from lightning_distgrad.rpc._wire import Kind
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -112,7 +112,7 @@ class SentRequests:
         self.requests = 0
 
         def spy(dst, frame, *args, **kwargs):
-            if frame.kind == REQUEST:
+            if frame.kind is Kind.REQUEST:
                 self.requests += 1
             return original(dst, frame, *args, **kwargs)
 

@@ -15,9 +15,15 @@ from mpi4py import MPI
 from lightning_distgrad.rpc import _doorbell
 from lightning_distgrad.rpc._doorbell import Doorbell, LocalBell
 from lightning_distgrad.rpc._transport import Transport, _Backoff
-from lightning_distgrad.rpc._wire import Frame
+from lightning_distgrad.rpc._wire import Frame, FrameLimits, Kind, local_devices
 
-CONTROL = 2
+BODY = Frame(Kind.RREF_FORK, -1, None, (), ("body",))
+
+
+def make_transport(comm, on_frame=lambda source, frame, tensors: None) -> Transport:
+    """A transport whose progress thread is not started (tests poll it by hand)."""
+    return Transport(comm, on_frame, lambda source, error: None,
+                     limits=FrameLimits(1 << 30, local_devices()), transfer_timeout=60.0)
 
 
 class _Message:
@@ -55,17 +61,18 @@ class _MatchBeforeProgressComm:
 
 def test_one_poll_after_a_nap_delivers_a_frame_that_the_first_probe_misses():
     delivered = []
-    transport = Transport(MPI.COMM_SELF, lambda source, frame, tensors: delivered.append(frame))
+    transport = make_transport(MPI.COMM_SELF,
+                               lambda source, frame, tensors: delivered.append(frame))
     own_ctrl = transport.ctrl
-    late = transport.ctrl = _MatchBeforeProgressComm(Frame(CONTROL, -1, b"", (), "body").dumps())
+    late = transport.ctrl = _MatchBeforeProgressComm(BODY.dumps())
     try:
         # One wake-up of the progress thread is one call; the frame must not wait
         # for the next one (a whole nap later).
-        assert transport._locked_progress_once()
-        assert [(f.kind, f.autograd) for f in delivered] == [(CONTROL, "body")]
+        assert transport._poll_and_run()
+        assert [(f.kind, f.body) for f in delivered] == [(Kind.RREF_FORK, ("body",))]
         # With nothing in flight a poll stops after the second empty probe.
         late.calls = 0
-        assert not transport._locked_progress_once()
+        assert not transport._poll_and_run()
         assert late.calls == 2
     finally:
         transport.ctrl = own_ctrl
@@ -207,16 +214,16 @@ def test_a_quiet_spell_arms_the_bell_once_and_polls_once_more_before_the_first_n
         events.append("poll")
         return found
 
-    backoff = _Backoff(Bell(), lambda: poll(False))
+    backoff = _Backoff(Bell(), lambda: poll(False), 0.004)
     for _ in range(3):
-        assert backoff.sleep() is False
+        assert backoff.sleep(0.0, float("inf")) is False
     backoff.reset()  # traffic came
     backoff.reset()
     assert events == ["arm", "poll", "nap", "nap", "nap", "disarm"]
     # A frame posted before the arming showed: found by that poll, no nap.
     events.clear()
-    backoff = _Backoff(Bell(), lambda: poll(True))
-    assert backoff.sleep() is True
+    backoff = _Backoff(Bell(), lambda: poll(True), 0.004)
+    assert backoff.sleep(0.0, float("inf")) is True
     assert events == ["arm", "poll"]
 
 
@@ -235,7 +242,7 @@ class _RecordingBell(LocalBell):
 def _poll_until(transport: Transport, done) -> bool:
     """Drive ``transport`` by hand (its progress thread is not started) until ``done()``."""
     def polled() -> bool:
-        transport._locked_progress_once()
+        transport._poll_and_run()
         return done()
 
     return wait_until(polled, timeout=60, interval=0.0005)
@@ -247,11 +254,10 @@ def _drain_sends(transport: Transport) -> None:
 
 
 def test_a_frame_to_ourselves_wakes_our_own_napping_progress_thread():
-    transport = Transport(MPI.COMM_SELF, lambda source, frame, tensors: None)
+    transport = make_transport(MPI.COMM_SELF)
     own, transport._bell = transport._bell, _RecordingBell()
     try:
-        transport._sleepers.add(0)  # as while the progress thread naps
-        transport.send(0, Frame(CONTROL, -1, b"", (), "body"), [])
+        transport.send(0, BODY, [])
         assert transport._bell.rung == ["self"]
     finally:
         _drain_sends(transport)
@@ -262,11 +268,11 @@ def test_a_frame_to_ourselves_wakes_our_own_napping_progress_thread():
 @pytest.mark.mpi(min_size=2)
 def test_posting_a_frame_rings_its_destination(mpi_comm):
     delivered = []
-    transport = Transport(mpi_comm, lambda source, frame, tensors: delivered.append(source))
+    transport = make_transport(mpi_comm, lambda source, frame, tensors: delivered.append(source))
     own, transport._bell = transport._bell, _RecordingBell()
     try:
         if transport.rank == 0:
-            transport.send(1, Frame(CONTROL, -1, b"", (), "body"), [])
+            transport.send(1, BODY, [])
             assert transport._bell.rung == [1]
             _drain_sends(transport)
         elif transport.rank == 1:
@@ -278,7 +284,7 @@ def test_posting_a_frame_rings_its_destination(mpi_comm):
 
 
 def test_a_nap_never_runs_past_the_next_timer():
-    transport = Transport(MPI.COMM_SELF, lambda source, frame, tensors: None)
+    transport = make_transport(MPI.COMM_SELF)
     naps = []  # (nap asked for, time left to the earliest timer then)
 
     class RecordingNaps(LocalBell):
@@ -289,7 +295,7 @@ def test_a_nap_never_runs_past_the_next_timer():
             super().wait(timeout)
 
     own, transport._bell = transport._bell, RecordingNaps()
-    transport._last_activity -= 10.0  # long idle: naps grow to their longest
+    transport._last_traffic -= 10.0  # long idle: naps grow to their longest
     transport.start()
     try:
         time.sleep(0.3)
@@ -307,14 +313,14 @@ def test_a_nap_never_runs_past_the_next_timer():
 
 
 # ---------------------------------------------------------------------------
-# Handlers that a waiting thread waits for run on that thread
+# Work handed to a waiting thread runs on that thread
 
 
-def test_a_keyed_handler_another_thread_delivers_runs_on_the_waiting_driver():
-    """The progress thread may poll just as a thread starts waiting (driving) for the
-    work of ``key``: what it delivers for that key still runs on the waiting thread,
-    never on a pool thread (run_here used to refuse it there)."""
-    transport = Transport(MPI.COMM_SELF, lambda source, frame, tensors: None)
+def test_work_handed_to_the_waiting_thread_runs_there_before_it_returns():
+    """While a thread polls in ``drive_until``, ``run_on_waiter`` hands it work (what
+    it waits for, delivered by another thread); work for a thread that does not poll
+    is refused, and nothing handed over is left behind when the waiter returns."""
+    transport = make_transport(MPI.COMM_SELF)
     ran_on = []
     done = threading.Event()
 
@@ -322,17 +328,18 @@ def test_a_keyed_handler_another_thread_delivers_runs_on_the_waiting_driver():
         ran_on.append(threading.current_thread().name)
         done.set()
 
-    driver = threading.Thread(target=transport.drive_until, args=(done.is_set, "pass-1"),
-                              name="waiting-driver")
+    waiter = threading.Thread(target=transport.drive_until, args=(done.is_set,),
+                              name="waiting-thread")
     try:
-        driver.start()
-        wait_until(lambda: transport._driver == driver.ident)
-        assert not transport.run_here(handler, "another-pass")  # not what it waits for
-        assert transport.run_here(handler, "pass-1")
-        driver.join(60)
-        assert not driver.is_alive()
-        assert ran_on == ["waiting-driver"]
-        assert transport._driver is None and transport._driver_key is None
+        waiter.start()
+        assert wait_until(lambda: transport._waiter == waiter.ident)
+        assert not transport.run_on_waiter(threading.get_ident(), handler)
+        assert transport.run_on_waiter(waiter.ident, handler)
+        waiter.join(60)
+        assert not waiter.is_alive()
+        assert ran_on == ["waiting-thread"]
+        assert transport._waiter is None and not transport._waiter_work
+        assert not transport.run_on_waiter(waiter.ident, handler)
     finally:
         done.set()
         transport.free()

@@ -15,10 +15,13 @@ from typing import Any
 import torch
 
 from ..rpc import _core, _hooks
-from . import _engine
+from ..rpc._agent import register_one_way
+from ..rpc._wire import Kind
+from . import _engine, _messages
 from ._context import DistAutogradContext
 from ._engine import container
 from ._functions import record_recv, record_send
+from ._messages import ContextRelease
 
 __all__ = ["context", "backward", "get_gradients", "is_available", "DistAutogradContext"]
 
@@ -113,10 +116,10 @@ def _release_on_known_workers(ctx: DistAutogradContext | None, done: int | None 
     if ctx is None or agent is None:
         return
     for worker in ctx._known_worker_ids() - {container().worker_id, done}:
-        # Fire and forget (torch does not await it either): a CONTROL frame, applied
-        # on arrival in order, so no later message can find the context again.
-        # Counted by graceful shutdown.
-        agent.send_control(worker, (_hooks.AUTOGRAD_CONTROL, "release", ctx._context_id()))
+        # Fire and forget (torch does not await it either): applied on arrival in
+        # order, so no later message can find the context again. Counted by graceful
+        # shutdown.
+        agent.send_one_way(worker, Kind.CONTEXT_RELEASE, ContextRelease(ctx._context_id()))
 
 
 def _retrieve_context(context_id: int) -> DistAutogradContext:
@@ -212,17 +215,6 @@ class _AutogradHooks(_hooks.AutogradHooks):
             ctx.recv_meta[msg_id] = [(t.shape, t.dtype) for t in received]
         return tensors
 
-    def on_control(self, src_id: int, body: Any) -> None:
-        """A backward pass's credit back to its root, or a context released on ``src_id``:
-        release it here and on the workers it reached from here (transitively)."""
-        kind, *args = body
-        if kind == "credit":
-            _engine.apply_credit(*args)
-        else:
-            (context_id,) = args
-            _release_on_known_workers(container().release(context_id, must_exist=False),
-                                      done=src_id)
-
     def context_of(self, meta: Any) -> int | None:
         if meta is None:
             return None
@@ -250,4 +242,14 @@ class _AutogradHooks(_hooks.AutogradHooks):
         _engine.backward(ctx_id, roots, retain_graph)
 
 
+def _on_context_release(source: int, body: ContextRelease, tensors: list) -> None:
+    """Release the context here and on the workers it reached from here (transitively)."""
+    _release_on_known_workers(container().release(body.context_id, must_exist=False),
+                              done=source)
+
+
 _hooks.install(_AutogradHooks())
+register_one_way(Kind.CONTEXT_RELEASE, ContextRelease, _on_context_release)
+register_one_way(Kind.CREDIT, _messages.CreditReturn, _engine.on_credit)
+register_one_way(Kind.GRADIENTS, _messages.Gradients, _engine.on_gradients, serve=True,
+                 waiter_key=lambda body: body.pass_id)

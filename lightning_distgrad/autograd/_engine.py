@@ -34,9 +34,11 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
 
-from ..rpc import _core, _hooks
-from ..rpc._agent import timeout_error
+from ..rpc import _core
+from ..rpc._errors import timeout_error
+from ..rpc._wire import Kind
 from ._context import ContextContainer, DistAutogradContext, check_context_id, sum_grads
+from ._messages import CreditReturn, Gradients
 
 _container: ContextContainer | None = None
 _pass_ids = itertools.count()
@@ -483,10 +485,10 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
 
 
 def _wait_for_credit(p: _Pass) -> None:
-    """Wait (driving MPI progress) until all credit is back or the RPC timeout passes."""
+    """Wait (polling MPI) until all credit is back or the RPC timeout passes."""
     agent = _core.require_agent()
-    # This pass's gradient messages to the root run on this thread: they are what it
-    # waits for (a pool thread's wake-up cost more than the message's work).
+    # This pass's gradient messages to the root run on this thread (their waiter key
+    # is the pass id): they are what it waits for.
     if not agent.wait_done(p.finished, agent.timeout, key=p.pass_id):
         p.expire(agent.timeout)
 
@@ -570,7 +572,7 @@ def _ship(p: _Pass, messages: list[tuple[int, list]], credit: Credit) -> None:
     """Send gradient messages, splitting ``credit`` among them; return the rest to the root.
 
     A message to the root carries this worker's report itself; otherwise a
-    credit return (a CONTROL frame, applied on arrival) does.
+    credit return (a CREDIT frame, applied on arrival) does.
     """
     root = p.pass_id[0]
     me = container().worker_id
@@ -586,9 +588,10 @@ def _ship(p: _Pass, messages: list[tuple[int, list]], credit: Credit) -> None:
         carried = report if peer == root else None
         layout = [(msg_id, len(grads)) for msg_id, grads in items]
         try:
-            agent.notify(peer, _propagate_gradients,
-                         (context_id, layout, p.retain_graph, p.pass_id, share, carried),
-                         [g for _, grads in items for g in grads], key=p.pass_id)
+            agent.send_one_way(
+                peer, Kind.GRADIENTS,
+                Gradients(context_id, layout, p.retain_graph, p.pass_id, share, carried),
+                [g for _, grads in items for g in grads])
         except Exception as e:  # never sent: its credit and report come back here
             kept = add_credit(kept, share)
             error = error or _wrap_error(me, e).with_traceback(e.__traceback__)
@@ -604,8 +607,8 @@ def _return_credit(context_id: int, pass_id: tuple, credit: Credit, report: tupl
         apply_credit(context_id, pass_id, credit, report, error)
     else:
         text = None if error is None else _error_text(error)
-        _core.require_agent().send_control(
-            root, (_hooks.AUTOGRAD_CONTROL, "credit", context_id, pass_id, credit, report, text))
+        _core.require_agent().send_one_way(
+            root, Kind.CREDIT, CreditReturn(context_id, pass_id, credit, report, text))
 
 
 def _error_text(error: BaseException) -> str:
@@ -614,9 +617,14 @@ def _error_text(error: BaseException) -> str:
     return f"{error}\n{where}" if where else str(error)
 
 
+def on_credit(source: int, body: CreditReturn, tensors: list) -> None:
+    """A CREDIT message, applied on arrival (must not block)."""
+    apply_credit(*body)
+
+
 def apply_credit(context_id: int, pass_id: tuple, credit: Credit,
                  report: tuple | None, error: BaseException | str | None) -> None:
-    """Credit back to the root (from a CONTROL frame: must not block)."""
+    """Credit back to the root."""
     cont = _container
     ctx = cont.find(context_id) if cont is not None else None
     p = ctx.backward_pass if ctx is not None else None
@@ -634,11 +642,9 @@ def _worker_pass(ctx: DistAutogradContext, pass_id: tuple, retain_graph: bool) -
         return p
 
 
-def _propagate_gradients(context_id: int, layout: list[tuple[int, int]], retain_graph: bool,
-                         pass_id: tuple, credit: Credit, report: tuple | None,
-                         tensors: list[torch.Tensor]) -> None:
-    """A gradient message (NOTIFY), on the worker that sent the messages it answers:
-    ``layout`` gives each message id and how many of ``tensors`` are its gradients."""
+def on_gradients(source: int, body: Gradients, tensors: list[torch.Tensor]) -> None:
+    """A GRADIENTS message, on the worker that sent the messages it answers."""
+    context_id, layout, retain_graph, pass_id, credit, report = body
     items = []
     start = 0
     for msg_id, count in layout:

@@ -1,53 +1,62 @@
-"""The RPC agent: requests, responses, timeouts and graceful shutdown.
+"""The RPC agent: calls and their responses, one-way messages, timeouts.
 
-Three frame kinds travel between agents:
+Frames are routed by their :class:`~._wire.Kind`:
 
 * REQUEST: ``(func, args, kwargs)``; the callee always answers with one
-  RESPONSE (a result or a remote error). The progress thread runs it itself
-  when it can (a stand-in polls meanwhile if it runs long, see
-  ``Transport.run_here``), else the worker pool does. A torch operator on small
-  tensors (QUICK_REQUEST) runs right where the frame is handed over, on any
-  thread: it cannot issue RPCs or block;
+  RESPONSE (a result or a remote error). It runs on the worker pool.
+* QUICK_REQUEST: a torch operator on small tensors; it cannot issue RPCs or
+  block, so it runs right where its frame is handed over.
 * RESPONSE: ``(ok, value)`` for one call id (no payload when the value is one
-  plain tensor: the frame's only tensor); decoded by the thread driving
-  progress (internal futures complete there, user-visible ones on a pool);
-* CONTROL: bookkeeping applied on arrival, in order, by the thread driving
-  progress (RRef fork deletes): never runs user code and never blocks;
-* NOTIFY: ``(func, args)``, plainly pickled, and the frame's tensors: runs
-  ``func(*args, tensors)`` like a REQUEST, but nobody waits for it and no
-  RESPONSE goes back (distributed autograd's gradient messages, which report
-  completion their own way).
+  plain tensor: the frame's only tensor); internal futures complete on the
+  polling thread, user-visible ones on a callback thread.
+* one-way kinds (:func:`register_one_way`): a typed body and tensors; nobody
+  answers. Bookkeeping ones are applied on arrival, in order; served ones run
+  like requests, on the thread that waits for them where there is one.
 
-Every REQUEST, CONTROL and NOTIFY frame is counted when sent and when processed; a
+Every REQUEST and one-way frame is counted when sent and when processed; a
 graceful shutdown ends when the global counts match twice in a row with no
 call pending anywhere (a four-counter termination detection), so no request
-or response is lost.
+or response is lost (see ``_shutdown``).
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import heapq
 import itertools
-import pickle
+import logging
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from . import _devices, _hooks
+from ._errors import (
+    is_async_function,
+    rebuild_error,
+    remote_error,
+    set_error,
+    timeout_error,
+)
 from ._transport import Transport
-from ._wire import Frame, decode_payload, encode_payload
+from ._wire import (
+    CALL_KINDS,
+    Frame,
+    FrameLimits,
+    Kind,
+    MalformedFrame,
+    decode_payload,
+    encode_payload,
+)
 
-REQUEST, RESPONSE, CONTROL, QUICK_REQUEST, NOTIFY = 0, 1, 2, 3, 4
+log = logging.getLogger("lightning_distgrad.rpc")
+
 #: Operators whose tensors are all at most this big run as QUICK_REQUESTs.
 QUICK_LIMIT_BYTES = 64 * 1024
-# How often the progress thread looks for expired calls.
+# How often the polling thread looks for expired calls.
 _TIMEOUT_CHECK_S = 0.01
 
 
@@ -73,59 +82,29 @@ class WorkerInfo:
         return (WorkerInfo, (self.name, self.id))
 
 
-def timeout_error(timeout: float) -> RuntimeError:
-    return RuntimeError(
-        f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be "
-        "marked with an error"
-    )
+class OneWay(NamedTuple):
+    """How a one-way kind is received (see :func:`register_one_way`)."""
+
+    body_type: type
+    handler: Callable[[int, Any, list], None]
+    serve: bool
+    waiter_key: Callable[[Any], Any] | None
 
 
-def is_async_function(func: Any) -> bool:
-    return getattr(func, "_wrapped_async_rpc_function", None) is not None
+_ONE_WAY: dict[Kind, OneWay] = {}
 
 
-# ---------------------------------------------------------------------------
-# Remote errors keep their type and say where they happened.
+def register_one_way(kind: Kind, body_type: type, handler: Callable[[int, Any, list], None], *,
+                     serve: bool = False, waiter_key: Callable[[Any], Any] | None = None) -> None:
+    """Route frames of ``kind`` to ``handler(source, body, tensors)``.
 
-
-def _remote_error(exc: BaseException, where: WorkerInfo) -> tuple[type, str]:
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return type(exc), f"On {where}:\n{exc!r}\n{text}"
-
-
-def _rebuild_error(exc_type: type, msg: str) -> BaseException:
-    try:
-        return exc_type(msg)
-    except Exception as e:  # types whose constructor does not take one string
-        return RuntimeError(
-            f"Failed to create original exception type. Error msg was {e!r}. "
-            f"Original exception on remote side was {msg}"
-        )
-
-
-def _raise_copy(exc: BaseException):
-    """Unwrap function of :func:`set_error` futures: raise a fresh copy of ``exc``."""
-    try:
-        fresh = copy.copy(exc)
-    except Exception:  # a type that cannot be rebuilt from its args
-        fresh = RuntimeError(f"{type(exc).__name__}: {exc}")
-    fresh.__cause__, fresh.__context__ = exc.__cause__, exc.__context__
-    raise fresh.with_traceback(exc.__traceback__)
-
-
-def set_error(future: torch.futures.Future, exc: BaseException) -> None:
-    """Complete ``future`` with ``exc``; every ``wait()`` raises a fresh copy of it.
-
-    Fix (leak): ``torch.futures.Future.set_exception`` raises the stored object
-    itself from ``wait()``, so its traceback comes to reference the waiting
-    frames, and they reference the future: a cycle through C++ that Python's
-    gc cannot see. Every failed RPC then leaked the caller's frames and their
-    locals for good: tensors, and RRefs, whose owners were never told, so the
-    owner never freed the value. torch's own RPC futures raise a new exception
-    per ``wait()``; so do these. ``exc``'s traceback must not reference ``future``.
+    ``body_type`` is a NamedTuple; the body travels as a plain tuple and is rebuilt
+    (and its field count checked) on arrival. Not served: applied on arrival, in
+    order, on the polling thread; it must not block. Served: run like a request; one
+    whose ``waiter_key(body)`` a thread waits for (:meth:`Agent.wait_done`) runs on
+    that thread.
     """
-    future._set_unwrap_func(_raise_copy)
-    future.set_result(exc)
+    _ONE_WAY[kind] = OneWay(body_type, handler, serve, waiter_key)
 
 
 def _decode_and_call(payload: bytes, tensors: list) -> tuple[Callable, Any]:
@@ -134,31 +113,23 @@ def _decode_and_call(payload: bytes, tensors: list) -> tuple[Callable, Any]:
     return func, func(*args, **kwargs)
 
 
-def _notified(payload: bytes, tensors: list) -> None:
-    """Run a NOTIFY's function (see :meth:`Agent.notify`)."""
-    func, args = pickle.loads(payload)
-    func(*args, tensors)
-
-
-#: ``Future.done`` without torch's Python wrapper around it (0.14 instead of 0.33 us): a
-#: waiting thread checks it after every poll, 5-15 times per round trip.
+#: ``Future.done`` without torch's Python wrapper around it: a waiting thread checks it
+#: after every poll.
 _future_done = torch._C.Future.done
 
 
 class _UserFuture(torch.futures.Future):
-    """The future of ``rpc_async``: ``wait()`` drives MPI progress on the waiting thread,
-    as ``rpc_sync`` does, and completes the future with the response it received.
+    """The future of ``rpc_async``: ``wait()`` polls MPI on the waiting thread, as
+    ``rpc_sync`` does, and completes the future with the response it received.
 
-    Otherwise the response would go from the progress thread to the callback
-    thread to the waiting thread: two thread wake-ups per call. The future is
-    completed after the thread stopped driving: its callbacks then run there,
-    and one that waits for an RPC of its own can drive in turn.
+    The future is completed after the thread stopped polling: its callbacks then
+    run there, and one that waits for an RPC of its own can poll in turn.
     """
 
     def __init__(self, transport: Transport):
         super().__init__()
         self._transport = transport
-        self.waiter: int | None = None  # ident of a thread driving progress in wait()
+        self.waiter: int | None = None  # ident of a thread polling in wait()
         self.completion: Callable[[], None] | None = None  # set by the waiter's delivery
 
     def _answered(self) -> bool:
@@ -191,7 +162,7 @@ class Agent:
 
     def __init__(self, comm, infos: list[WorkerInfo], rank: int, timeout: float,
                  num_worker_threads: int, on_arrival: Callable[[int, Frame], None],
-                 on_control: Callable[[int, Any], None]):
+                 limits: FrameLimits):
         self.infos = infos
         self.info = infos[rank]
         self.by_name = {w.name: w for w in infos}
@@ -199,33 +170,32 @@ class Agent:
         # device_maps[src][dst]: src's map for tensors it sends to dst (set by init_rpc).
         self.device_maps: list[list[dict]] = [[{} for _ in infos] for _ in infos]
         self._on_arrival = on_arrival
-        self._on_control = on_control
         self._ids = itertools.count()
         self._pending: dict[int, _Pending] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._deadline_lock = threading.Lock()
         self._timeout_check_armed = False
-        self._sent = 0  # REQUEST, CONTROL and NOTIFY frames sent
-        self._processed = 0  # REQUESTs answered, CONTROLs applied, NOTIFYs run
+        self._processed = 0  # frames whose handling ended (see counts)
         self._count_lock = threading.Lock()
+        # Threads waiting in wait_done for served one-way frames, by key.
+        self._waiters: dict[Any, int] = {}
+        # Ranks that called graceful shutdown (JOIN frames received).
+        self._joined: set[int] = set()
+        self._joined_changed = threading.Condition()
         self._pool = ThreadPoolExecutor(num_worker_threads, thread_name_prefix="distgrad-worker")
-        # User-visible futures complete here, so `then` callbacks never run on
-        # the progress thread and never wait behind busy request handlers. More
-        # than one thread: a callback may wait for another future of ours, whose
-        # completion must not queue behind it.
+        # User-visible futures complete here, so `then` callbacks never run on the
+        # polling thread. More than one thread: a callback may wait for another
+        # future of ours, whose completion must not queue behind it.
         self._callbacks = ThreadPoolExecutor(num_worker_threads,
                                              thread_name_prefix="distgrad-callbacks")
-        self.transport = Transport(comm, self._on_frame)
+        transfer_timeout = timeout if timeout > 0 else 600.0
+        self.transport = Transport(comm, self._on_frame, self._on_malformed, limits=limits,
+                                   transfer_timeout=transfer_timeout)
         # Not started here: see :meth:`start`.
 
     def start(self) -> None:
-        """Start receiving. Call once this agent is the current one.
-
-        Fix (race): the progress thread used to start in ``__init__``, before
-        ``init_rpc`` made the agent current; a request from a faster peer could
-        run in that window and fail with "RPC has not been initialized" (a
-        ``remote()`` then never created its value, and ``to_here()`` hung).
-        """
+        """Start receiving. Call once this agent is the current one: requests from
+        faster peers may arrive at once, and they need it."""
         self.transport.start()
 
     # -- sending ----------------------------------------------------------------
@@ -238,10 +208,8 @@ class Agent:
         ``operator``: ``func`` is a torch operator (no RPCs, no blocking).
         """
         payload, tensors, pctx = self._encode((func, args, kwargs), dst, func)
-        # Fix (hang): everything that may reject the call runs before the call
-        # is registered and counted. A tensor refused here (no device map) used
-        # to leave a pending call that was never sent: graceful shutdown then
-        # waited for it forever.
+        # Everything that may reject the call runs before the call is registered and
+        # counted: a call registered but never sent would hold up graceful shutdown.
         devices = self._devices(tensors, dst.id)
         meta = _hooks.get().outgoing(dst.id, tensors, force_autograd)
         pctx.commit()
@@ -252,38 +220,26 @@ class Agent:
         self._pending[call_id] = pending
         if pending.deadline is not None:
             self._watch_deadline(pending.deadline, call_id)
-        self._count_sent()
         forks = tuple(pctx.arrival_forks)
         if arrival_forks:
             forks += tuple(arrival_forks)
         quick = operator and all(t.nbytes <= QUICK_LIMIT_BYTES for t in tensors)
-        self.transport.send(dst.id, Frame(QUICK_REQUEST if quick else REQUEST, call_id, payload,
-                                          (), meta, forks), tensors, devices)
+        kind = Kind.QUICK_REQUEST if quick else Kind.REQUEST
+        self.transport.send(dst.id, Frame(kind, call_id, payload, (), meta, forks), tensors,
+                            devices)
         return future
 
-    def notify(self, dst_id: int, func: Callable, args: tuple,
-               tensors: list[torch.Tensor] = (), key: Any = None) -> None:
-        """Run ``func(*args, tensors)`` on ``dst_id``; nothing answers.
+    def send_one_way(self, dst_id: int, kind: Kind, body: tuple,
+                     tensors: list[torch.Tensor] = ()) -> None:
+        """Send a one-way frame of a registered ``kind`` (see :func:`register_one_way`).
 
-        For the library's own functions only. ``args`` are plain values (no
-        tensors, no RRefs), pickled as they are; ``tensors`` travel as the
-        frame's tensor table (a gradient message encodes in 1.5 instead of 7.8
-        us warm this way). One sent with a ``key`` runs on the thread of
-        ``dst_id`` that waits with that key (:meth:`wait_done`), a user's
-        thread, so it must leave no thread state behind. Never recorded by
-        distributed autograd. An error in ``func`` can only be printed on
-        ``dst_id``: ``func`` must report its outcome itself.
+        For the library's own messages: ``body`` holds plain values (no tensors, no
+        RRefs); ``tensors`` travel as the frame's tensor table. Never recorded by
+        distributed autograd.
         """
-        payload = pickle.dumps((func, args), pickle.HIGHEST_PROTOCOL)
         tensors = list(tensors)
         devices = self._devices(tensors, dst_id)
-        self._count_sent()
-        self.transport.send(dst_id, Frame(NOTIFY, -1, payload, (), key), tensors, devices)
-
-    def send_control(self, dst_id: int, body: Any) -> None:
-        """Fire-and-forget bookkeeping applied in order on ``dst_id``'s progress thread."""
-        self._count_sent()
-        self.transport.send(dst_id, Frame(CONTROL, -1, b"", (), body), [])
+        self.transport.send(dst_id, Frame(kind, -1, None, (), tuple(body)), tensors, devices)
 
     def _encode(self, obj: Any, dst: WorkerInfo, func: Any):
         try:
@@ -308,13 +264,17 @@ class Agent:
         return _devices.target_devices(tensors, device_map, self.info.name,
                                        self.infos[dst_id].name)
 
-    def _count_sent(self) -> None:
-        with self._count_lock:
-            self._sent += 1
-
     def _count_processed(self) -> None:
         with self._count_lock:
             self._processed += 1
+
+    def counts(self) -> list[int]:
+        """[frames sent, frames handled] for termination detection: every frame, even
+        a malformed one, is counted once by its sender and once by its receiver when
+        its handling ended (after any frame that handling sent)."""
+        sent = self.transport.frames_sent()
+        with self._count_lock:
+            return [sent, self._processed]
 
     # -- timeouts ---------------------------------------------------------------
 
@@ -332,10 +292,7 @@ class Agent:
         with self._deadline_lock:
             while self._deadlines and self._deadlines[0][0] <= now:
                 expired.append(heapq.heappop(self._deadlines)[1])
-            # Answered calls need no watching. Fix (leak): the list was only cleared
-            # when no call was pending at a check, which never happens while a thread
-            # keeps calling: it grew by one entry per call for a whole timeout
-            # (60 s at 20,000 calls/s: 1.2 million entries).
+            # Answered calls need no watching: bound the heap by the pending calls.
             pending = self._pending
             if len(self._deadlines) > 2 * len(pending) + 64:
                 self._deadlines = [d for d in self._deadlines if d[1] in pending]
@@ -343,49 +300,125 @@ class Agent:
             rearm = self._timeout_check_armed = bool(self._deadlines)
         for call_id in expired:
             pending = self._pending.pop(call_id, None)
-            if pending is not None:  # completed outside the MPI lock, like responses
-                self.transport.defer(
-                    lambda p=pending: self._complete(p, False, timeout_error(p.timeout)))
+            if pending is not None:
+                self._complete(pending, False, timeout_error(pending.timeout))
         if rearm:
             self.transport.call_later(_TIMEOUT_CHECK_S, self._expire_calls)
 
-    # -- receiving (progress thread) ------------------------------------------------
+    # -- receiving (the polling thread) ---------------------------------------------
 
     def _on_frame(self, source: int, frame: Frame, tensors: list) -> None:
         if frame.forks:
             self._on_arrival(source, frame)
-        if frame.kind == RESPONSE:
+        kind = frame.kind
+        if kind is Kind.RESPONSE:
             self._on_response(source, frame, tensors)
-        elif frame.kind == REQUEST or frame.kind == NOTIFY:
-            self.transport.busy(+1)
-            serve = lambda: self._serve(source, frame, tensors)  # noqa: E731
-            if not self.transport.run_here(serve, frame.autograd if frame.kind == NOTIFY
-                                           else None):
-                self._pool.submit(serve)
-        elif frame.kind == QUICK_REQUEST:
-            if frame.autograd is None:
+        elif kind is Kind.REQUEST:
+            self._submit(lambda: self._run_request(source, frame, tensors))
+        elif kind is Kind.JOIN:
+            with self._joined_changed:
+                self._joined.add(source)
+                self._joined_changed.notify_all()
+            self._count_processed()
+        elif kind is Kind.QUICK_REQUEST:
+            if frame.body is None:
                 self._run_operator(source, frame, tensors)
             else:
                 self._run_request(source, frame, tensors)
         else:
+            self._on_one_way(source, frame, tensors)
+
+    def _on_one_way(self, source: int, frame: Frame, tensors: list) -> None:
+        spec = _ONE_WAY.get(frame.kind)
+        try:
+            if spec is None:
+                raise MalformedFrame(f"no handler for frame kind {frame.kind.name}")
             try:
-                self._on_control(source, frame.autograd)
+                body = spec.body_type._make(frame.body)
+            except TypeError as e:
+                raise MalformedFrame(f"bad {frame.kind.name} body: {e}") from None
+        except MalformedFrame as e:
+            e.source = source
+            self._on_malformed(source, e)
+            return
+        if not spec.serve:
+            try:
+                spec.handler(source, body, tensors)
             finally:
                 self._count_processed()
+            return
+        run = functools.partial(self._serve_one_way, spec.handler, source, body, tensors)
+        me = threading.get_ident()
+        waiter = (self._waiters.get(spec.waiter_key(body)) if spec.waiter_key is not None
+                  else None)
+        if waiter == me or (waiter is None and self.transport.is_progress_thread(me)):
+            run()
+        elif waiter is None or not self.transport.run_on_waiter(waiter, run):
+            self._submit(run)
+
+    def _serve_one_way(self, handler: Callable, source: int, body: Any, tensors: list) -> None:
+        # Outside any context and with grad on: it may run on a user's thread.
+        try:
+            _hooks.get().call_in(None, _hooks.with_grad, handler, source, body, tensors)
+        finally:
+            self._count_processed()
+
+    def _submit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the worker pool (it may block or run long)."""
+        self.transport.busy(+1)
+
+        def run() -> None:
+            try:
+                fn()
+            except Exception:
+                log.exception("lightning_distgrad: a request handler failed on %s", self.info)
+            finally:
+                self.transport.busy(-1)
+
+        self._pool.submit(run)
+
+    def _on_malformed(self, source: int, error: MalformedFrame) -> None:
+        """A frame this worker cannot read: answer its call when it has one, else log."""
+        frame = error.frame
+        sender = self.infos[source].name if 0 <= source < len(self.infos) else "?"
+        if frame is not None and frame.kind in CALL_KINDS and frame.call_id >= 0:
+            self._reply_error(source, frame.call_id, RuntimeError(
+                f"{self.info.name} could not read this request from {sender}: {error}"))
+            return  # counted by the reply
+        try:
+            pending = (self._pending.pop(frame.call_id, None)
+                       if frame is not None and frame.kind is Kind.RESPONSE else None)
+            if pending is not None:
+                self._complete(pending, False, RuntimeError(
+                    f"the response from {sender} could not be read: {error}"))
+            else:
+                log.error("lightning_distgrad: %s dropped a malformed frame from rank %d "
+                          "(%s): %s", self.info.name, source, sender, error)
+        finally:
+            self._count_processed()
 
     def _on_response(self, source: int, frame: Frame, tensors: list) -> None:
+        try:
+            self._take_response(source, frame, tensors)
+        finally:
+            self._count_processed()
+
+    def _take_response(self, source: int, frame: Frame, tensors: list) -> None:
         pending = self._pending.pop(frame.call_id, None)
         if pending is None:
             return  # the call timed out; its late answer is dropped
         try:
-            if frame.autograd is not None:
-                tensors = _hooks.get().incoming(frame.autograd, source, tensors)
+            if frame.body is not None:
+                tensors = _hooks.get().incoming(frame.body, source, tensors)
             if frame.payload is None:  # the result is the frame's one tensor
+                if len(tensors) != 1:
+                    raise RuntimeError(f"a tensor response from rank {source} carried "
+                                       f"{len(tensors)} tensors")
                 ok, value = True, tensors[0]
             else:
                 ok, value = decode_payload(frame.payload, tensors)
                 if not ok:
-                    value = _rebuild_error(*value)
+                    value = rebuild_error(*value)
         except Exception as e:
             # No traceback: it references this frame, which holds the future.
             ok, value = False, e.with_traceback(None)
@@ -393,7 +426,7 @@ class Agent:
 
     def _complete(self, pending: _Pending, ok: bool, value: Any) -> None:
         future = pending.future
-        setter = future.set_result if ok else lambda exc: set_error(future, exc)
+        setter = future.set_result if ok else functools.partial(set_error, future)
         if not pending.user_visible:
             setter(value)
             return
@@ -402,42 +435,22 @@ class Agent:
         # a callback thread, unless the thread waiting in ``wait()`` got the response.
         complete = functools.partial(_hooks.get().call_in, pending.ctx_id, setter, value)
         if future.waiter == threading.get_ident():
-            future.completion = complete  # applied once that thread stopped driving
+            future.completion = complete  # applied once that thread stopped polling
         else:
             self._callbacks.submit(complete)
 
-    # -- serving (worker pool) ------------------------------------------------------
-
-    def _serve(self, source: int, frame: Frame, tensors: list) -> None:
-        try:
-            if frame.kind == NOTIFY:
-                self._run_notification(frame, tensors)
-            else:
-                self._run_request(source, frame, tensors)
-        finally:
-            self.transport.busy(-1)
+    # -- serving --------------------------------------------------------------------
 
     @staticmethod
     def _call(source: int, frame: Frame, tensors: list) -> tuple[int | None, Callable, Any]:
         """Run the function of a REQUEST; returns (context id, function, result)."""
         hooks = _hooks.get()
-        ctx_id = hooks.context_of(frame.autograd)
-        tensors = hooks.incoming(frame.autograd, source, tensors)
+        ctx_id = hooks.context_of(frame.body)
+        tensors = hooks.incoming(frame.body, source, tensors)
         # Grad mode is thread-local: a request runs with it on, as on a fresh
-        # server thread, whichever thread handed its frame over (a caller's
-        # thread inside torch.no_grad(), say) and whatever an earlier function
-        # on this pool thread left behind.
+        # server thread, whichever thread handed its frame over.
         return (ctx_id, *hooks.call_in(ctx_id, _hooks.with_grad, _decode_and_call,
                                        frame.payload, tensors))
-
-    def _run_notification(self, frame: Frame, tensors: list) -> None:
-        # Never recorded, and outside any context (it may run on a user's thread).
-        try:
-            _hooks.get().call_in(None, _hooks.with_grad, _notified, frame.payload, tensors)
-        except BaseException:
-            traceback.print_exc()  # nobody waits for an answer: say it here
-        finally:
-            self._count_processed()
 
     def _run_request(self, source: int, frame: Frame, tensors: list) -> None:
         try:
@@ -478,12 +491,12 @@ class Agent:
         try:
             if ok and type(value) is torch.Tensor and value.layout == torch.strided:
                 # The usual result, one plain tensor, needs no pickle: its frame has
-                # no payload (a pickler each way cost 3.5 us of a 55 us round trip).
+                # no payload.
                 payload, tensors, pctx = None, [value], None
             else:
                 payload, tensors, pctx = encode_payload((ok, value), dst)
-            # Fix (hang): inside the try, so a refused result tensor becomes an
-            # error response instead of no response at all.
+            # Inside the try: a refused result tensor becomes an error response, so
+            # every request gets exactly one response.
             devices = self._devices(tensors, dst, reply=True)
             # A response is recorded in its request's context only, never in
             # whatever context the replying thread happens to be in.
@@ -498,21 +511,21 @@ class Agent:
         if pctx is not None:
             pctx.commit()
             forks = tuple(pctx.arrival_forks)
-        self.transport.send(dst, Frame(RESPONSE, call_id, payload, (), meta, forks),
+        self.transport.send(dst, Frame(Kind.RESPONSE, call_id, payload, (), meta, forks),
                             tensors, devices)
         self._count_processed()
 
     def _reply_error(self, dst: int, call_id: int, exc: BaseException) -> None:
-        exc_type, msg = _remote_error(exc, self.info)
+        exc_type, msg = remote_error(exc, self.info)
         try:
             self._reply(dst, call_id, False, (exc_type, msg))
         except Exception:  # an unpicklable exception type: keep the text
             self._reply(dst, call_id, False, (RuntimeError, msg))
 
-    # -- shutdown -------------------------------------------------------------------
+    # -- waiting --------------------------------------------------------------------
 
     def wait(self, future: torch.futures.Future) -> Any:
-        """Wait for ``future``, driving MPI progress on this thread meanwhile."""
+        """Wait for ``future``, polling MPI on this thread meanwhile."""
         if not future.done():
             self.transport.drive_until(functools.partial(_future_done, future))
         return future.wait()
@@ -520,7 +533,8 @@ class Agent:
     def wait_done(self, future: torch.futures.Future, timeout: float, key: Any = None) -> bool:
         """Wait at most ``timeout`` s (<= 0: no limit) for ``future``; True if it is done.
 
-        NOTIFYs sent with ``key`` (not None) that arrive meanwhile run on this thread.
+        Served one-way frames whose waiter key is ``key`` (not None) run on this thread
+        meanwhile: they are the work it waits for.
         """
         if future.done():
             return True
@@ -529,42 +543,45 @@ class Agent:
             done = lambda: future.done() or time.monotonic() >= deadline  # noqa: E731
         else:
             done = future.done
-        if not self.transport.drive_until(done, key):  # another thread drives
-            finished = threading.Event()
-            future.add_done_callback(lambda _: finished.set())
-            finished.wait(timeout if timeout > 0 else None)
+        if key is not None:
+            self._waiters[key] = threading.get_ident()
+        try:
+            if not self.transport.drive_until(done):  # another thread polls
+                finished = threading.Event()
+                future.add_done_callback(lambda _: finished.set())
+                finished.wait(timeout if timeout > 0 else None)
+        finally:
+            if key is not None:
+                self._waiters.pop(key, None)
         return future.done()
 
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def wait_all_workers(self) -> None:
-        """Return once every rank called this (this rank keeps serving meanwhile)."""
-        self.transport.allreduce_sum([0])
+    # -- shutdown -------------------------------------------------------------------
 
-    def wait_quiescent(self, timeout: float = 0) -> None:
-        """Return once no rank has work left: every request answered everywhere."""
-        deadline = time.monotonic() + timeout if timeout > 0 else None
-        previous = None
-        while True:
-            while self._pending:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"shutdown timed out after {timeout} s on {self.info} with "
-                        f"{len(self._pending)} RPCs still pending")
-                time.sleep(0.0005)
-            with self._count_lock:
-                counts = [self._sent, self._processed]
-            totals = self.transport.allreduce_sum(counts)
-            if totals[0] == totals[1] and totals == previous:
-                return
-            previous = totals
+    def join(self) -> None:
+        """Tell every other worker that this one called graceful shutdown."""
+        for info in self.infos:
+            if info.id != self.info.id:
+                self.transport.send(info.id, Frame(Kind.JOIN, -1, None), [])
 
-    def stop(self) -> None:
-        """Stop threads and free communicators (after :meth:`wait_quiescent`)."""
-        self._pool.shutdown(wait=True)
-        self._callbacks.shutdown(wait=True)
-        self.transport.stop()
+    def not_joined(self, wait: float = 0.0) -> list[int]:
+        """The other ranks that have not joined yet, after waiting up to ``wait`` s for
+        that list to change."""
+        with self._joined_changed:
+            me = self.info.id
+            missing = [i.id for i in self.infos if i.id != me and i.id not in self._joined]
+            if missing and wait > 0:
+                self._joined_changed.wait(wait)
+                missing = [r for r in missing if r not in self._joined]
+            return missing
+
+    def stop(self, wait: bool = True, flush_timeout: float = 5.0) -> None:
+        """Stop threads and free communicators; ``wait``: for running handlers too."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
+        self._callbacks.shutdown(wait=wait, cancel_futures=True)
+        self.transport.stop(flush_timeout)
         self.transport.free()
         for pending in list(self._pending.values()):
             set_error(pending.future, RuntimeError("RPC agent shut down before a response"))

@@ -13,9 +13,6 @@ from typing import Any
 
 import torch
 
-#: First element of a CONTROL frame body meant for distributed autograd.
-AUTOGRAD_CONTROL = "autograd"
-
 
 class AutogradHooks:
     """No-op hooks: what RPC does when distributed autograd is not loaded."""
@@ -50,9 +47,6 @@ class AutogradHooks:
     def call_in(self, ctx_id: int | None, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` (a request) with ``ctx_id`` as this thread's current context."""
         return fn(*args)
-
-    def on_control(self, src_id: int, body: Any) -> None:
-        """Apply a CONTROL frame ``(AUTOGRAD_CONTROL, *body)`` from ``src_id`` (in order)."""
 
     def backward(self, ctx_id: int, roots: list[torch.Tensor], retain_graph: bool) -> None:
         raise RuntimeError("lightning_distgrad.autograd is not loaded")

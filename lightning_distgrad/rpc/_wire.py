@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import enum
 import io
+import math
 import pickle
 import sys
 import threading
@@ -21,8 +23,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["Frame", "encode_payload", "decode_payload", "tensor_bytes_view",
-           "current_pickling_context", "prepare_tensor", "allocate_tensor", "ReceiveBufferPool"]
+__all__ = ["Kind", "Frame", "MalformedFrame", "FrameLimits", "decode_frame", "encode_payload",
+           "decode_payload", "tensor_bytes_view", "current_pickling_context", "prepare_tensor",
+           "allocate_tensor", "ReceiveBufferPool"]
 
 #: Tensors up to this size travel inside the frame (saves one MPI message).
 INLINE_LIMIT = 64 * 1024
@@ -69,28 +72,137 @@ def _function(raw: bytes) -> Any:
     return func
 
 
+class Kind(enum.IntEnum):
+    """What a frame carries; each kind has one handler on the receiver."""
+
+    REQUEST = 0  # (func, args, kwargs) payload; answered by one RESPONSE
+    RESPONSE = 1  # (ok, value) payload, or no payload and the value as the one tensor
+    QUICK_REQUEST = 2  # a REQUEST of a torch operator on small tensors: runs where it lands
+    GRADIENTS = 3  # distributed autograd: gradients for a backward pass (typed body)
+    CREDIT = 4  # distributed autograd: credit and errors returned to a pass's root
+    CONTEXT_RELEASE = 5  # distributed autograd: a context ended on its creator
+    RREF_FORK = 6  # RRef bookkeeping: a fork added or deleted at its owner
+    JOIN = 7  # graceful shutdown: the sender has called shutdown
+
+
+#: Kinds that are answered by a RESPONSE (a malformed one is answered with an error).
+CALL_KINDS = frozenset((Kind.REQUEST, Kind.QUICK_REQUEST))
+
+
 class Frame(NamedTuple):
     """One message; pickled as a plain tuple (cheaper than any class)."""
 
-    kind: int
-    call_id: int
+    kind: Kind
+    call_id: int  # REQUEST and RESPONSE; -1 for one-way kinds
     payload: bytes | None  # None: a RESPONSE whose value is its one tensor
     # One (dtype code, shape, nbytes, inline bytes or None, device) per tensor.
     metas: tuple = ()
-    # Distributed-autograd metadata, the body of a CONTROL frame, or a NOTIFY's key.
-    autograd: Any = None
+    # A call's distributed-autograd metadata, or a one-way kind's typed body (sent as a
+    # plain tuple).
+    body: Any = None
     # RRef forks the receiver registers on arrival, before later frames run.
     forks: tuple = ()
 
     def dumps(self, metas: tuple | None = None) -> bytes:
         """The frame's bytes; ``metas`` replaces the tensor table's metadata if given."""
-        return pickle.dumps((self.kind, self.call_id, self.payload,
-                             self.metas if metas is None else metas, self.autograd, self.forks),
+        return pickle.dumps((int(self.kind), self.call_id, self.payload,
+                             self.metas if metas is None else metas, self.body, self.forks),
                             _PROTOCOL)
 
-    @classmethod
-    def loads(cls, raw: bytes | bytearray) -> Frame:
-        return cls._make(pickle.loads(raw))
+
+class MalformedFrame(Exception):
+    """A frame this agent cannot read. ``frame`` is set when its header decoded (so a
+    call can be answered with the reason)."""
+
+    def __init__(self, reason: str, frame: Frame | None = None):
+        super().__init__(reason)
+        self.frame = frame
+        self.source = -1  # the sender's rank, set by the transport
+
+
+class FrameLimits(NamedTuple):
+    """What a receiver accepts: declared sizes up to ``max_message_bytes``, tensors on
+    ``devices`` (``str(torch.device)`` of each device this process has)."""
+
+    max_message_bytes: int
+    devices: frozenset
+
+
+def local_devices() -> frozenset:
+    """The devices a received tensor may be mapped to on this process."""
+    devices = {"cpu"}
+    if torch.cuda.is_available():
+        devices.add("cuda")
+        devices.update(f"cuda:{i}" for i in range(torch.cuda.device_count()))
+    return frozenset(devices)
+
+
+def decode_frame(raw: bytes | bytearray, limits: FrameLimits) -> Frame:
+    """Decode and validate a received frame before anything is allocated for it.
+
+    Raises :class:`MalformedFrame` saying what is wrong.
+    """
+    try:
+        fields = pickle.loads(raw)
+    except Exception as e:
+        raise MalformedFrame(f"undecodable frame ({type(e).__name__}: {e})") from None
+    if type(fields) is not tuple or len(fields) != 6:
+        raise MalformedFrame(f"a frame is a 6-field tuple, got {type(fields).__name__}")
+    kind, call_id, payload, metas, body, forks = fields
+    try:
+        kind = Kind(kind)
+    except (ValueError, TypeError):
+        raise MalformedFrame(f"unknown frame kind {kind!r}") from None
+    if type(call_id) is not int:
+        raise MalformedFrame(f"call id {call_id!r} is not an int")
+    frame = Frame(kind, call_id, payload, metas, body, forks)
+    if payload is not None and type(payload) is not bytes:
+        raise MalformedFrame(f"payload is a {type(payload).__name__}, not bytes", frame)
+    if type(metas) is not tuple or type(forks) is not tuple:
+        raise MalformedFrame("tensor table and forks must be tuples", frame)
+    total = len(raw)
+    for index, meta in enumerate(metas):
+        problem = _meta_problem(meta, limits)
+        if problem is not None:
+            raise MalformedFrame(f"tensor {index}: {problem}", frame)
+        total += meta[2]
+    if total > limits.max_message_bytes:
+        raise MalformedFrame(
+            f"the message declares {_size(total)} in all, above this worker's "
+            f"max_message_bytes ({_size(limits.max_message_bytes)}); raise it with "
+            "MPIRpcBackendOptions(max_message_bytes=...) on the receiver", frame)
+    return frame
+
+
+def _meta_problem(meta: Any, limits: FrameLimits) -> str | None:
+    if type(meta) is not tuple or len(meta) != 5:
+        return "its description is not a (dtype, shape, nbytes, inline, device) tuple"
+    code, shape, nbytes, inline, device = meta
+    if type(code) is not int or not 0 <= code < len(_DTYPES):
+        return f"unknown dtype code {code!r}"
+    if type(shape) is not tuple or not all(type(d) is int and d >= 0 for d in shape):
+        return f"shape {shape!r} is not a tuple of non-negative ints"
+    if type(nbytes) is not int or nbytes != math.prod(shape) * _ITEMSIZES[code]:
+        return (f"declares {nbytes!r} bytes for shape {shape} of {_DTYPES[code]} "
+                f"({math.prod(shape) * _ITEMSIZES[code]} expected)")
+    if nbytes > limits.max_message_bytes:
+        return (f"declares {_size(nbytes)}, above this worker's max_message_bytes "
+                f"({_size(limits.max_message_bytes)}); raise it with "
+                "MPIRpcBackendOptions(max_message_bytes=...) on the receiver")
+    if inline is not None and (type(inline) not in (bytes, bytearray) or len(inline) != nbytes):
+        return f"its inline bytes do not match the declared {nbytes} bytes"
+    if device not in limits.devices:
+        return (f"it is mapped to device {device!r}, which this worker lacks "
+                f"(it has {sorted(limits.devices)}); fix the sender's device map")
+    return None
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.4g} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.4g} TiB"
 
 
 # ---------------------------------------------------------------------------
@@ -189,6 +301,7 @@ def decode_payload(data: bytes, tensors: list[torch.Tensor]) -> Any:
 # 2.4 us per tensor, the index nothing. The same torch on every rank gives the same list.
 _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_ITEMSIZES = tuple(dtype.itemsize for dtype in _DTYPES)
 #: What ranks must agree on to read each other's frames (``init_rpc`` checks it).
 DTYPE_TABLE = tuple(str(dtype) for dtype in _DTYPES)
 

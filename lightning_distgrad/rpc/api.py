@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from . import _core, _hooks, _wire
+from . import _core, _hooks, _shutdown, _wire
 from . import rref as _rref
 from ._abort import abort_mpi_job
 from ._agent import Agent, WorkerInfo
@@ -97,9 +97,10 @@ def init_rpc(name: str | None = None, backend: BackendType | None = None, rank: 
                 raise ValueError(f"rank {src} set a device map for unknown worker {dst_name!r}")
     _hooks.get().on_init(my_rank)
     context = _rref.init_context(my_rank)
+    limits = _wire.FrameLimits(options.max_message_bytes, _wire.local_devices())
     agent = Agent(comm, infos, my_rank, options.rpc_timeout, options.num_worker_threads,
-                  on_arrival=lambda src, frame: [context.add_fork(*f) for f in frame.forks],
-                  on_control=lambda src, body: _on_control(context, src, body))
+                  on_arrival=lambda src, frame: context.add_arrival_forks(frame.forks),
+                  limits=limits)
     for src, (_, _, maps, _) in enumerate(everyone):
         for dst_name, mapping in maps.items():
             agent.device_maps[src][rank_of[dst_name]] = mapping
@@ -107,14 +108,6 @@ def init_rpc(name: str | None = None, backend: BackendType | None = None, rank: 
     _core.set_agent(agent)
     agent.start()
     _install_exit_hooks(size)
-
-
-def _on_control(rrefs: _rref.RRefContext, src: int, body: tuple) -> None:
-    """Route a CONTROL frame: RRef fork bookkeeping, or distributed autograd's."""
-    if body[0] == _hooks.AUTOGRAD_CONTROL:
-        _hooks.get().on_control(src, body[1:])
-    else:
-        rrefs.on_control(body)
 
 
 def _torch_problems(torch_build: tuple, first: tuple) -> list[str]:
@@ -172,9 +165,16 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     in the job is answered, and the agent stops. With ``graceful=False`` only
     this rank's agent stops at once.
 
+    A graceful shutdown with a ``timeout`` raises ``RuntimeError`` once it has
+    waited that long, naming the workers that did not call ``shutdown``; the
+    agent is stopped all the same. Without one it waits for every worker as
+    long as they answer: a worker that leaves a liveness ping unanswered for
+    the RPC timeout (``get_rpc_timeout()``) is taken as stopped, and the MPI job
+    is aborted with its name, since it could not end normally.
+
     Args:
         graceful (bool): wait for all ranks (default True).
-        timeout (float): seconds to wait for this rank's pending RPCs; 0 waits forever.
+        timeout (float): seconds a graceful shutdown may take; 0 (default): no limit.
 
     Example::
         >>> # xdoctest: +SKIP
@@ -182,17 +182,18 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         >>> rpc.shutdown()   # on every rank
     """
     agent = _core.require_agent()
+    finished = not graceful
     try:
         if graceful:
             # As torch's: user RRefs go only once every worker is in shutdown. A worker
             # that calls it at once (a tutorial's trainer) still serves work that uses
-            # them, and deleting them here failed that work ("after deletion").
-            agent.wait_all_workers()
-            _rref._require_context().delete_all_users(agent)
-            agent.wait_quiescent(timeout)
+            # them.
+            _shutdown.graceful(agent, timeout,
+                               lambda: _rref._require_context().delete_all_users(agent))
+            finished = True
     finally:
         _core.set_agent(None)
-        agent.stop()
+        agent.stop(wait=finished)
         _hooks.get().on_shutdown()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from typing import Any
 
 import torch
@@ -12,6 +13,8 @@ __all__ = ["BackendType", "MPIRpcBackendOptions", "TensorPipeRpcBackendOptions",
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_NUM_WORKER_THREADS = 16
+#: Largest message a worker accepts by default: this machine's physical memory.
+DEFAULT_MAX_MESSAGE_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class BackendType(enum.Enum):
@@ -36,6 +39,9 @@ class MPIRpcBackendOptions:
         device_maps (dict): ``{worker_name: {local_device: remote_device}}`` for CUDA
             tensors, as ``TensorPipeRpcBackendOptions.device_maps``.
         devices (list): accepted for compatibility.
+        max_message_bytes (int): the largest message (frame plus tensors) this
+            worker accepts; a bigger one is refused with an error naming this
+            option (default: the machine's physical memory).
         init_method, _transports, _channels: accepted and ignored, so options
             written for TensorPipe work unchanged (MPI provides rendezvous).
 
@@ -49,10 +55,15 @@ class MPIRpcBackendOptions:
     def __init__(self, *, num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
                  rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC, comm: Any = None,
                  device_maps: dict | None = None, devices: list | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  init_method: str | None = None, _transports: Any = None,
                  _channels: Any = None):
         if num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be at least 1, got {num_worker_threads}")
+        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or (
+                max_message_bytes < 1):
+            raise ValueError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
+        self.max_message_bytes = max_message_bytes
         self.num_worker_threads = num_worker_threads
         self.rpc_timeout = float(rpc_timeout)
         self.comm = comm

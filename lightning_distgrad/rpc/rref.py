@@ -19,17 +19,19 @@ deleted.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
 from . import _core, _hooks
-from ._agent import WorkerInfo, is_async_function, set_error
-from ._wire import current_pickling_context
+from ._agent import WorkerInfo, register_one_way
+from ._errors import is_async_function, set_error
+from ._wire import Kind, current_pickling_context
 from .functions import async_execution
 
 __all__ = ["RRef"]
@@ -153,12 +155,29 @@ class RRefContext:
             "num_forks": sum(len(e.forks) for e in entries),
         }
 
-    def on_control(self, body: Any) -> None:
-        op, rref_id, fork_id = body
-        if op == "del_fork":
-            self.del_fork(rref_id, fork_id)
-        else:
+    def add_arrival_forks(self, forks: tuple) -> None:
+        """Register the forks a frame carries, before it or any later frame runs."""
+        for rref_id, fork_id in forks:
             self.add_fork(rref_id, fork_id)
+
+
+class ForkChange(NamedTuple):
+    """RREF_FORK body: a user fork of one of this worker's RRefs was added or deleted."""
+
+    rref_id: tuple
+    fork_id: tuple
+    added: bool
+
+
+def _on_fork_change(source: int, body: ForkChange, tensors: list) -> None:
+    context = _require_context()
+    if body.added:
+        context.add_fork(body.rref_id, body.fork_id)
+    else:
+        context.del_fork(body.rref_id, body.fork_id)
+
+
+register_one_way(Kind.RREF_FORK, ForkChange, _on_fork_change)
 
 
 _context: RRefContext | None = None
@@ -480,15 +499,23 @@ class RRef(Generic[T]):
             pctx.arrival_forks.append((rref_id, fork_id))
         else:
             pctx.on_send.append(
-                lambda: agent.send_control(owner.id, ("add_fork", rref_id, fork_id)))
+                lambda: agent.send_one_way(owner.id, Kind.RREF_FORK,
+                                           ForkChange(rref_id, fork_id, True)))
         return (_rebuild_rref, (owner, rref_id, fork_id, False))
 
-    def _delete(self, agent) -> None:
+    def _delete(self, agent, soon: bool = False) -> None:
+        """Tell the owner this user reference is gone; ``soon``: from the polling thread
+        (``__del__`` may run inside the transport's lock, during a collection)."""
         state = self._user
         if state is None or state.deleted:
             return
         state.deleted = True
-        agent.send_control(state.owner.id, ("del_fork", state.rref_id, state.fork_id))
+        send = functools.partial(agent.send_one_way, state.owner.id, Kind.RREF_FORK,
+                                 ForkChange(state.rref_id, state.fork_id, False))
+        if soon:
+            agent.transport.call_soon(send)
+        else:
+            send()
 
     def __del__(self) -> None:
         # getattr: ``RRef(value)`` before init_rpc raises in __init__, before
@@ -499,7 +526,7 @@ class RRef(Generic[T]):
         agent = _core.current_agent()
         if agent is not None:
             try:
-                self._delete(agent)
+                self._delete(agent, soon=True)
             except Exception:  # interpreter teardown: nothing left to tell
                 pass
 

@@ -1,0 +1,58 @@
+"""Errors of RPCs: timeouts, remote exceptions, and futures that fail without leaking."""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from typing import Any
+
+import torch
+
+
+def timeout_error(timeout: float) -> RuntimeError:
+    return RuntimeError(
+        f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be "
+        "marked with an error"
+    )
+
+
+def is_async_function(func: Any) -> bool:
+    return getattr(func, "_wrapped_async_rpc_function", None) is not None
+
+
+def remote_error(exc: BaseException, where: Any) -> tuple[type, str]:
+    """What travels of an exception raised on worker ``where``: its type and text."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return type(exc), f"On {where}:\n{exc!r}\n{text}"
+
+
+def rebuild_error(exc_type: type, msg: str) -> BaseException:
+    try:
+        return exc_type(msg)
+    except Exception as e:  # types whose constructor does not take one string
+        return RuntimeError(
+            f"Failed to create original exception type. Error msg was {e!r}. "
+            f"Original exception on remote side was {msg}"
+        )
+
+
+def _raise_copy(exc: BaseException):
+    """Unwrap function of :func:`set_error` futures: raise a fresh copy of ``exc``."""
+    try:
+        fresh = copy.copy(exc)
+    except Exception:  # a type that cannot be rebuilt from its args
+        fresh = RuntimeError(f"{type(exc).__name__}: {exc}")
+    fresh.__cause__, fresh.__context__ = exc.__cause__, exc.__context__
+    raise fresh.with_traceback(exc.__traceback__)
+
+
+def set_error(future: torch.futures.Future, exc: BaseException) -> None:
+    """Complete ``future`` with ``exc``; every ``wait()`` raises a fresh copy of it.
+
+    ``Future.set_exception`` would raise the stored object itself, whose traceback
+    then references the waiting frames, which reference the future: a cycle through
+    C++ that Python's gc cannot see, keeping the caller's tensors and RRefs alive.
+    ``exc``'s traceback must not reference ``future``.
+    """
+    future._set_unwrap_func(_raise_copy)
+    future.set_result(exc)

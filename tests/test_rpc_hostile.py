@@ -1,0 +1,207 @@
+"""Frames no agent would send: each is answered or dropped, and the agent goes on serving.
+
+Rank 0 sends every frame through the transport's real send path (``send_raw``)
+to rank 1, whose agent must neither abort nor let the frame surface in an
+unrelated call. A malformed request is answered with an error saying what was
+wrong; anything else is dropped with one log line naming the sender.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import time
+
+import pytest
+import torch
+from _dist_utils import wait_until
+
+from lightning_distgrad import rpc
+from lightning_distgrad.rpc import _core, _wire
+from lightning_distgrad.rpc._wire import Frame, Kind
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+FLOAT32 = _wire._DTYPE_CODES[torch.float32]
+TIB = 1 << 40
+
+
+def raw_frame(kind=Kind.REQUEST, call_id=-1, payload=None, metas=(), body=None, forks=()):
+    return pickle.dumps((int(kind), call_id, payload, metas, body, forks))
+
+
+def good_meta(n=3):
+    return (FLOAT32, (n,), 4 * n, bytearray(4 * n), "cpu")
+
+
+#: Frames that cannot be answered (no readable call): dropped and logged.
+UNANSWERABLE = {
+    "random bytes": bytes(range(7, 250, 3)),
+    "truncated pickle": raw_frame(payload=b"x" * 40)[:-9],
+    "pickle of a dict": pickle.dumps({"kind": 0}),
+    "tuple of 5": pickle.dumps((0, 1, None, (), None)),
+    "unknown kind": raw_frame(kind=99),
+    "call id not an int": raw_frame(call_id="seven"),
+    "one-way body of the wrong length": raw_frame(Kind.RREF_FORK, body=(1, 2)),
+    "one-way body not a tuple": raw_frame(Kind.CONTEXT_RELEASE, body=17),
+    "response to no call": raw_frame(Kind.RESPONSE, call_id=10**9, payload=b"junk"),
+}
+
+#: Tensor tables a request may not carry, and what the error must say.
+BAD_METAS = {
+    "bad dtype code": ((10**6, (3,), 12, bytearray(12), "cpu"), "unknown dtype code"),
+    "negative shape": ((FLOAT32, (-3,), 12, bytearray(12), "cpu"), "not a tuple of non-negative"),
+    "shape against bytes": ((FLOAT32, (3,), 16, bytearray(16), "cpu"), "(12 expected)"),
+    "inline bytes mismatch": ((FLOAT32, (3,), 12, bytearray(5), "cpu"), "inline bytes"),
+    "4 TiB declared": ((FLOAT32, (TIB // 4,), TIB, None, "cpu"), "max_message_bytes"),
+    "missing device": ((FLOAT32, (3,), 12, bytearray(12), "cuda:7"), "which this worker lacks"),
+    "not a tuple": ([FLOAT32, (3,), 12, bytearray(12), "cpu"], "description"),
+}
+
+
+def call_with_metas(world, metas, timeout=30):
+    """``rpc_sync(torch.add)`` whose frame carries ``metas`` instead of its own table."""
+    transport = _core.require_agent().transport
+    original = transport.send
+
+    def corrupt(dst, frame, tensors, devices=None):
+        transport.send_raw(dst, frame.dumps(metas), [])
+
+    transport.send = corrupt
+    try:
+        future = rpc.rpc_async(world.peer(), torch.add, (torch.ones(3), 1), timeout=timeout)
+    finally:
+        transport.send = original
+    return future
+
+
+def answers_normally(world):
+    return torch.equal(rpc.rpc_sync(world.peer(), torch.add, (torch.ones(2), 1)),
+                       torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("case", sorted(UNANSWERABLE))
+def test_unreadable_frames_are_dropped_with_a_log_line_naming_the_sender(rpc_world, caplog, case):
+    world = rpc_world
+    if world.rank == 0:
+        _core.require_agent().transport.send_raw(1, UNANSWERABLE[case])
+    if world.rank == 1:
+        assert wait_until(lambda: "malformed frame from rank 0" in caplog.text), caplog.text
+    world.barrier()
+    assert answers_normally(world)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_METAS))
+def test_a_request_with_a_bad_tensor_table_fails_saying_what_was_wrong(rpc_world, case):
+    meta, says = BAD_METAS[case]
+    with pytest.raises(RuntimeError, match="could not read this request") as info:
+        call_with_metas(rpc_world, (meta,)).wait()
+    assert says in str(info.value)
+    assert answers_normally(rpc_world)
+
+
+def test_bytes_that_never_arrive_are_abandoned_and_the_poller_naps(rpc_world, monkeypatch):
+    """A frame declares a tensor whose bytes never follow: the receiver waits until the
+    transfer deadline, napping (not spinning), then abandons it and answers the call."""
+    world = rpc_world
+    transport = _core.require_agent().transport
+    monkeypatch.setattr(transport, "_transfer_timeout", 4.0)
+    world.barrier()
+    n = _wire.INLINE_LIMIT  # above the inline limit: its bytes would follow on ``data``
+    future = call_with_metas(world, ((FLOAT32, (n,), 4 * n, None, "cpu"),))
+    # The receiver's CPU time while the transfer hangs (after the hot window).
+    time.sleep(1.5)
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    time.sleep(2.0)
+    used = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+    with pytest.raises(RuntimeError, match="did not arrive within 4 s"):
+        future.wait()
+    idle = world.comm.allgather(used)
+    assert max(idle) <= 0.05, f"cores used per rank while a transfer hung: {idle}"
+    assert wait_until(lambda: not transport._incoming and not transport._cancelled)
+    assert answers_normally(world)
+
+
+def test_tensor_bytes_of_the_wrong_size_fail_the_call(rpc_world):
+    n = _wire.INLINE_LIMIT
+    meta = (FLOAT32, (n,), 4 * n, None, "cpu")
+    transport = _core.require_agent().transport
+    original = transport.send
+    for sent in (4 * n - 8, 4 * n + 8):
+        def short(dst, frame, tensors, devices=None, sent=sent):
+            transport.send_raw(dst, frame.dumps((meta,)), [torch.zeros(sent, dtype=torch.uint8)])
+
+        transport.send = short
+        try:
+            future = rpc.rpc_async(rpc_world.peer(), torch.add, (torch.ones(3), 1))
+        finally:
+            transport.send = original
+        with pytest.raises(RuntimeError, match="could not read this request"):
+            future.wait()
+    assert answers_normally(rpc_world)
+
+
+def test_a_malformed_response_fails_its_call(rpc_world):
+    """A response whose tensor table is bad fails the caller's call at once."""
+    world = rpc_world
+    agent = _core.require_agent()
+    call_id = 10**8 + world.rank
+    future = torch.futures.Future()
+    agent._pending[call_id] = _agent_pending(future, world)
+    bad = raw_frame(Kind.RESPONSE, call_id, None, ((10**6, (1,), 4, bytearray(4), "cpu"),))
+    agent.transport.send_raw(world.rank, bad)  # to itself: its own response
+    with pytest.raises(RuntimeError, match="response from .* could not be read"):
+        future.wait()
+    assert answers_normally(world)
+
+
+def _agent_pending(future, world):
+    from lightning_distgrad.rpc._agent import _Pending
+
+    return _Pending(future, rpc.get_worker_info(world.name), False, None, 0)
+
+
+def fuzz_frames(seed: int, count: int) -> list[tuple[bytes, list]]:
+    """Frames built from every field the format has, each mutated at random."""
+    rng = random.Random(seed)
+    values = [None, 0, -1, 7, 2**40, "x", b"", b"\x80\x04junk", 1.5, (), (1, 2), [1], {},
+              bytearray(4), (FLOAT32, (1,), 4, bytearray(4), "cpu")]
+    frames = []
+    for _ in range(count):
+        kind = rng.choice([*Kind, 99, -3, "REQUEST", None])
+        meta = list(good_meta(rng.choice([0, 1, 3])))
+        if rng.random() < 0.5:
+            meta[rng.randrange(5)] = rng.choice(values)
+        if rng.random() < 0.2:
+            meta = [FLOAT32, (17000,), 68000, None, "cpu"]  # bytes follow, maybe
+        fields = [kind, rng.choice([-1, 0, 10**9 + rng.randrange(1000), "id"]),
+                  rng.choice([None, b"", b"\x80\x04N.", rng.randbytes(20)]),
+                  rng.choice([(), (tuple(meta),), (tuple(meta), tuple(meta)), "m"]),
+                  rng.choice([None, (), (1,), (1, 2), "b"]),
+                  rng.choice([(), ((1, 2),), "f"])]
+        if rng.random() < 0.3:
+            fields[rng.randrange(6)] = rng.choice(values)
+        raw = pickle.dumps(tuple(fields))
+        if rng.random() < 0.1:
+            raw = raw[:rng.randrange(len(raw))]
+        elif rng.random() < 0.1:
+            raw = rng.randbytes(rng.randrange(1, 64))
+        buffers = [torch.zeros(68000, dtype=torch.uint8)] if rng.random() < 0.1 else []
+        frames.append((raw, buffers))
+    return frames
+
+
+def test_a_thousand_fuzzed_frames_leave_the_agent_serving(rpc_world, monkeypatch):
+    """Seeded fuzz through the real send path; then normal calls work both ways, and
+    graceful shutdown still drains (every frame is counted on both sides)."""
+    world = rpc_world
+    transport = _core.require_agent().transport
+    monkeypatch.setattr(transport, "_transfer_timeout", 1.0)
+    world.barrier()
+    if world.rank == 0:
+        for raw, buffers in fuzz_frames(seed=1234, count=1200):
+            transport.send_raw(1, raw, buffers)
+    world.barrier()
+    assert answers_normally(world)
+    assert wait_until(lambda: not transport._incoming, timeout=30)
+    assert answers_normally(world)
