@@ -78,6 +78,10 @@ def sleep_then_return(seconds, value):
     return value
 
 
+def raise_attribute_error():
+    return object().missing_attribute
+
+
 @rpc.functions.async_execution
 def async_raise():
     fut = torch.futures.Future()
@@ -218,6 +222,38 @@ def test_function_missing_on_callee_raises_import_error(rpc_world):
             rpc.rpc_sync(rpc_world.peer(), module.f, (1,))
     finally:
         del sys.modules[module.__name__]
+    assert_usable(rpc_world)
+
+
+NOT_IMPORTABLE = "must be importable under the same module path on every rank"
+
+
+def test_function_missing_on_callee_error_says_how_to_define_it(rpc_world):
+    # Defined at test time on this rank only, as under `if rank == 0:`: an attribute
+    # of this module that the callee's copy lacks, and a module the callee lacks.
+    name = f"defined_only_on_rank_{rpc_world.rank}"
+    this_module = sys.modules[__name__]
+    exec(f"def {name}(x):\n    return x\n", this_module.__dict__)
+    module = types.ModuleType(f"module_only_on_rank_{rpc_world.rank}")
+    exec("def f(x):\n    return x\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    try:
+        with pytest.raises(AttributeError, match=name) as info:
+            rpc.rpc_sync(rpc_world.peer(), getattr(this_module, name), (1,))
+        assert NOT_IMPORTABLE in str(info.value) and "module level" in str(info.value)
+        with pytest.raises(ModuleNotFoundError, match=module.__name__) as info:
+            rpc.rpc_async(rpc_world.peer(), module.f, (1,)).wait()
+        assert NOT_IMPORTABLE in str(info.value)
+        with pytest.raises(ModuleNotFoundError, match=NOT_IMPORTABLE):
+            rpc.remote(rpc_world.peer(), module.f, (1,))._get_future().wait()
+    finally:
+        delattr(this_module, name)
+        del sys.modules[module.__name__]
+    # The function's own errors are left as they are.
+    with pytest.raises(AttributeError, match="missing_attribute") as info:
+        rpc.rpc_sync(rpc_world.peer(), raise_attribute_error)
+    assert NOT_IMPORTABLE not in str(info.value)
+    assert rpc.rpc_sync(rpc_world.peer(), takes_one, (5,)) == 5
     assert_usable(rpc_world)
 
 
