@@ -13,11 +13,15 @@ from ._agent import Agent, WorkerInfo
 UNSET_RPC_TIMEOUT = -1.0
 
 _agent: Agent | None = None
+#: True from ``shutdown`` until the next ``init_rpc``: tells "shut down" from "never started".
+_shut_down = False
 
 
 def set_agent(agent: Agent | None) -> None:
-    global _agent
+    """Make ``agent`` current; None (from ``shutdown``) marks RPC as shut down."""
+    global _agent, _shut_down
     _agent = agent
+    _shut_down = agent is None
 
 
 def current_agent() -> Agent | None:
@@ -27,6 +31,12 @@ def current_agent() -> Agent | None:
 def require_agent() -> Agent:
     """The running agent, or the error torch gives before ``init_rpc``/after ``shutdown``."""
     if _agent is None:
+        # torch's text stays the prefix after shutdown too: ported code matches on it.
+        if _shut_down:
+            raise RuntimeError(
+                "RPC has not been initialized. Call lightning_distgrad.rpc.init_rpc first. "
+                "(RPC has been shut down on this worker; init_rpc can start it again.)"
+            )
         raise RuntimeError(
             "RPC has not been initialized. Call lightning_distgrad.rpc.init_rpc first."
         )
