@@ -377,6 +377,24 @@ def test_default_timeout_applies_to_calls_issued_afterwards(rpc_world):
     assert_usable(rpc_world)
 
 
+def test_timeout_error_names_the_timeout_and_the_destination(rpc_world):
+    peer, peer_rank = rpc_world.peer(), rpc_world.peer_rank()
+    where = rf"and will now be marked with an error \(call to {peer}, rank {peer_rank}\)$"
+    with pytest.raises(RuntimeError, match=r"^RPC ran for more than set timeout \(0\.001 ms\) "
+                                           + where):
+        rpc.rpc_sync(peer, sleep_then_return, (0.3, 1), timeout=1e-6)
+    with pytest.raises(RuntimeError, match=r"set timeout \(100 ms\) " + where):
+        rpc.rpc_async(peer, sleep_then_return, (0.6, 2), timeout=0.1).wait()
+    rref = rpc.remote(peer, sleep_then_return, (0.6, 3), timeout=0.0005)
+    with pytest.raises(RuntimeError, match=r"set timeout \(0\.5 ms\) " + where):
+        rref._get_future().wait()
+    with pytest.raises(RuntimeError, match=r"RRef creation via rpc.remote\(\) timed out, and it "
+                                           r"is possible that the RRef on the owner node does "
+                                           rf"not exist\. \(owner: {peer}, rank {peer_rank}\)"):
+        rref.to_here()
+    assert_usable(rpc_world)
+
+
 def test_answered_calls_stop_being_watched_while_calls_keep_coming(rpc_world):
     # One call stays pending throughout, as in any busy job: the deadlines of the
     # answered ones must still be dropped (they once piled up for a whole timeout).

@@ -68,3 +68,17 @@ def test_worker_info_pickles_and_compares():
 
 def test_unset_timeout_sentinel_matches_torch():
     assert rpc.UNSET_RPC_TIMEOUT == -1.0
+
+
+def test_timeout_error_keeps_torch_text_and_shows_sub_millisecond_timeouts():
+    from lightning_distgrad.rpc._agent import timeout_error
+
+    dst = WorkerInfo("worker1", 1)
+    assert str(timeout_error(1e-6, dst)) == (
+        "RPC ran for more than set timeout (0.001 ms) and will now be marked with an error "
+        "(call to worker1, rank 1)")
+    assert str(timeout_error(0.1, dst)).startswith("RPC ran for more than set timeout (100 ms) ")
+    assert "(1.5 ms)" in str(timeout_error(0.0015, dst))
+    assert "(60000 ms)" in str(timeout_error(60.0, dst))
+    assert str(timeout_error(2.0)) == (
+        "RPC ran for more than set timeout (2000 ms) and will now be marked with an error")

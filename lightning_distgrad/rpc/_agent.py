@@ -73,10 +73,22 @@ class WorkerInfo:
         return (WorkerInfo, (self.name, self.id))
 
 
-def timeout_error(timeout: float) -> RuntimeError:
+def timeout_error(timeout: float, dst: WorkerInfo | None = None) -> RuntimeError:
+    """torch's timeout error (ported code matches its leading text), naming ``dst`` if given.
+
+    Example::
+        >>> str(timeout_error(1e-6, WorkerInfo("worker1", 1)))[:45]
+        'RPC ran for more than set timeout (0.001 ms) '
+        >>> str(timeout_error(0.5, WorkerInfo("worker1", 1))).endswith("(call to worker1, rank 1)")
+        True
+    """
+    ms = timeout * 1000
+    # A sub-millisecond timeout must not read as 0 ms, which would mean "no timeout".
+    shown = f"{ms:.3f}".rstrip("0").rstrip(".") if ms >= 1 else f"{ms:.3g}"
+    where = f" (call to {dst.name}, rank {dst.id})" if dst is not None else ""
     return RuntimeError(
-        f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be "
-        "marked with an error"
+        f"RPC ran for more than set timeout ({shown} ms) and will now be marked with an error"
+        + where
     )
 
 
@@ -366,7 +378,7 @@ class Agent:
             pending = self._pending.pop(call_id, None)
             if pending is not None:  # completed outside the MPI lock, like responses
                 self.transport.defer(
-                    lambda p=pending: self._complete(p, False, timeout_error(p.timeout)))
+                    lambda p=pending: self._complete(p, False, timeout_error(p.timeout, p.dst)))
         if rearm:
             self.transport.call_later(_TIMEOUT_CHECK_S, self._expire_calls)
 

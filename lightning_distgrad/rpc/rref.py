@@ -395,9 +395,11 @@ class RRef(Generic[T]):
             creation.wait()
         except RuntimeError as e:
             if "RPC ran for more than" in str(e):
+                owner = self.owner()
                 raise RuntimeError(
                     "RRef creation via rpc.remote() timed out, and it is possible that the "
-                    "RRef on the owner node does not exist.") from e
+                    f"RRef on the owner node does not exist. (owner: {owner.name}, "
+                    f"rank {owner.id})") from e
 
     def _get_future(self) -> torch.futures.Future:
         """The future of the ``remote()`` call that created this RRef."""
