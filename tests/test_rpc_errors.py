@@ -377,6 +377,46 @@ def test_default_timeout_applies_to_calls_issued_afterwards(rpc_world):
     assert_usable(rpc_world)
 
 
+BAD_TIMEOUTS = [-5, -0.001, -1.5, float("nan"), float("inf"), float("-inf"), "1", None, True]
+TIMEOUT_RULE = (r"timeout must be a number of seconds >= 0 \(0: no timeout\) or "
+                r"UNSET_RPC_TIMEOUT \(-1\) for the default; got ")
+
+
+@pytest.mark.parametrize("bad", BAD_TIMEOUTS, ids=repr)
+def test_bad_timeout_raises_value_error_before_sending(rpc_world, sent, bad):
+    peer = rpc_world.peer()
+    rref = rpc.remote(peer, takes_one, (torch.ones(1),))
+    rref.to_here()
+    sent.requests = 0
+    calls = [
+        lambda: rpc.rpc_sync(peer, takes_one, (1,), timeout=bad),
+        lambda: rpc.rpc_async(peer, takes_one, (1,), timeout=bad),
+        lambda: rpc.remote(peer, takes_one, (1,), timeout=bad),
+        lambda: rref.to_here(timeout=bad),
+        lambda: rref.rpc_sync(timeout=bad),
+        lambda: rref.rpc_async(timeout=bad),
+        lambda: rref.remote(timeout=bad),
+        lambda: rref._get_type(timeout=bad),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=TIMEOUT_RULE) as info:
+            call()
+        got = repr(bad) if type(bad) in (int, float) else f"{bad!r} ({type(bad).__name__})"
+        assert f"; got {got}" in str(info.value)
+    with pytest.raises(ValueError, match=r"rpc_timeout must be a number of seconds >= 0 "
+                                         r"\(0: no timeout\); got "):
+        rpc._set_rpc_timeout(bad)
+    with pytest.raises(ValueError, match="rpc_timeout must be"):
+        rpc._set_rpc_timeout(rpc.UNSET_RPC_TIMEOUT)  # the default cannot be "the default"
+    assert rpc.get_rpc_timeout() == 60.0
+    assert sent.requests == 0
+    # The allowed values still work: the default marker, 0 (none) and positive numbers.
+    for good in (rpc.UNSET_RPC_TIMEOUT, -1, 0, 0.0, 5, 2.5):
+        assert rpc.rpc_sync(peer, takes_one, (good,), timeout=good) == good
+        assert rref.rpc_sync(timeout=good).size() == torch.Size([1])
+    assert_usable(rpc_world)
+
+
 def test_timeout_error_names_the_timeout_and_the_destination(rpc_world):
     peer, peer_rank = rpc_world.peer(), rpc_world.peer_rank()
     where = rf"and will now be marked with an error \(call to {peer}, rank {peer_rank}\)$"

@@ -137,6 +137,16 @@ def test_calls_before_the_first_init_rpc_do_not_say_shut_down(rpc_stopped, monke
     assert "shut down" not in str(info.value)
 
 
+def test_bad_shutdown_timeout_raises_before_shutting_down(rpc_stopped):
+    rpc.init_rpc()
+    for bad in (-5, -0.001, rpc.UNSET_RPC_TIMEOUT, float("nan"), "1", None):
+        with pytest.raises(ValueError, match=r"^timeout must be a number of seconds >= 0 "
+                                             r"\(0: no timeout\); got "):
+            rpc.shutdown(timeout=bad)
+    assert_works(rpc_stopped.names)  # still running
+    rpc.shutdown(timeout=30)
+
+
 def test_rref_used_after_shutdown_raises(rpc_stopped):
     rpc.init_rpc()
     rref = rpc.remote(rpc_stopped.peer(), torch.add, (torch.ones(1), 1))

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ._core import check_timeout
+
 __all__ = ["BackendType", "MPIRpcBackendOptions", "TensorPipeRpcBackendOptions",
            "RpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "DEFAULT_NUM_WORKER_THREADS"]
 
@@ -54,7 +56,7 @@ class MPIRpcBackendOptions:
         if num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be at least 1, got {num_worker_threads}")
         self.num_worker_threads = num_worker_threads
-        self.rpc_timeout = float(rpc_timeout)
+        self.rpc_timeout = check_timeout(rpc_timeout, "rpc_timeout", unset_ok=False)
         self.comm = comm
         self.init_method = init_method
         self.devices = [_to_device(d) for d in devices or []]
