@@ -20,6 +20,7 @@ from lightning_distgrad import autograd as dist_autograd
 from lightning_distgrad import rpc
 from lightning_distgrad.nn import RemoteModule
 from lightning_distgrad.optim import DistributedOptimizer
+from lightning_distgrad.rpc import _core
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -284,6 +285,42 @@ def test_params_rref_entries_must_be_rrefs(rpc_world):
         DistributedOptimizer(torch.optim.SGD, w, lr=0.1)
     with pytest.raises(ValueError, match="empty params_rref"):
         DistributedOptimizer(torch.optim.SGD, [], lr=0.1)
+
+
+def make_dict():
+    return {"weight": torch.ones(2)}
+
+
+def test_params_rref_values_must_be_tensors(rpc_world, monkeypatch):
+    owner = rpc_world.peer(1)
+    w = rpc.remote(owner, MyModule).remote().get_w()
+    not_tensors = [rpc.remote(owner, make_dict), rpc.RRef(torch.nn.Parameter(torch.ones(2))),
+                   rpc.remote(owner, MyModule), rpc.RRef([torch.ones(2)])]
+    params = [w, not_tensors[0], not_tensors[1]]
+    # One RPC per remote owner: the check rides on the optimizer's construction.
+    sent, invoke, me = [], _core.invoke, threading.get_ident()
+
+    def counting_invoke(to, func, *args, **kwargs):
+        if threading.get_ident() == me:  # not the requests this rank serves meanwhile
+            sent.append(func.__name__)
+        return invoke(to, func, *args, **kwargs)
+
+    monkeypatch.setattr(_core, "invoke", counting_invoke)
+    with pytest.raises(TypeError) as info:
+        DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
+    assert sent == ["_new_local_optimizer"]
+    assert str(info.value) == (
+        f"DistributedOptimizer: params_rref[1] (owned by {owner}) holds a dict, not a tensor; "
+        "pass RRefs to parameters, e.g. RemoteModule.remote_parameters()")
+    monkeypatch.undo()
+    # A local RRef to a list, and several bad entries: the first is named, the others counted.
+    with pytest.raises(TypeError, match=rf"params_rref\[0\] \(owned by {rpc_world.name}\) holds "
+                                        r"a list, not a tensor; .* \(2 more entries hold no "
+                                        r"tensor either\)$"):
+        DistributedOptimizer(torch.optim.SGD, [not_tensors[3], w, not_tensors[2],
+                                               not_tensors[0]], lr=0.1)
+    # Parameters and plain tensors, local or remote, are accepted.
+    DistributedOptimizer(torch.optim.SGD, [w, not_tensors[1]], lr=0.1)
 
 
 def test_optimizer_class_must_be_an_optimizer_subclass(rpc_world):

@@ -78,6 +78,10 @@ def sleep_then_return(seconds, value):
     return value
 
 
+def raise_attribute_error():
+    return object().missing_attribute
+
+
 @rpc.functions.async_execution
 def async_raise():
     fut = torch.futures.Future()
@@ -221,6 +225,38 @@ def test_function_missing_on_callee_raises_import_error(rpc_world):
     assert_usable(rpc_world)
 
 
+NOT_IMPORTABLE = "must be importable under the same module path on every rank"
+
+
+def test_function_missing_on_callee_error_says_how_to_define_it(rpc_world):
+    # Defined at test time on this rank only, as under `if rank == 0:`: an attribute
+    # of this module that the callee's copy lacks, and a module the callee lacks.
+    name = f"defined_only_on_rank_{rpc_world.rank}"
+    this_module = sys.modules[__name__]
+    exec(f"def {name}(x):\n    return x\n", this_module.__dict__)
+    module = types.ModuleType(f"module_only_on_rank_{rpc_world.rank}")
+    exec("def f(x):\n    return x\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    try:
+        with pytest.raises(AttributeError, match=name) as info:
+            rpc.rpc_sync(rpc_world.peer(), getattr(this_module, name), (1,))
+        assert NOT_IMPORTABLE in str(info.value) and "module level" in str(info.value)
+        with pytest.raises(ModuleNotFoundError, match=module.__name__) as info:
+            rpc.rpc_async(rpc_world.peer(), module.f, (1,)).wait()
+        assert NOT_IMPORTABLE in str(info.value)
+        with pytest.raises(ModuleNotFoundError, match=NOT_IMPORTABLE):
+            rpc.remote(rpc_world.peer(), module.f, (1,))._get_future().wait()
+    finally:
+        delattr(this_module, name)
+        del sys.modules[module.__name__]
+    # The function's own errors are left as they are.
+    with pytest.raises(AttributeError, match="missing_attribute") as info:
+        rpc.rpc_sync(rpc_world.peer(), raise_attribute_error)
+    assert NOT_IMPORTABLE not in str(info.value)
+    assert rpc.rpc_sync(rpc_world.peer(), takes_one, (5,)) == 5
+    assert_usable(rpc_world)
+
+
 def test_tensor_on_unmapped_device_is_refused_and_nothing_hangs(rpc_world, sent):
     # No CUDA here: a meta tensor stands in for a device tensor without a
     # device map. Neither the refused call nor the refused result may leave a
@@ -338,6 +374,64 @@ def test_default_timeout_applies_to_calls_issued_afterwards(rpc_world):
     finally:
         rpc._set_rpc_timeout(60.0)
     assert slow.wait() == 5  # issued before the change: not cut short
+    assert_usable(rpc_world)
+
+
+BAD_TIMEOUTS = [-5, -0.001, -1.5, float("nan"), float("inf"), float("-inf"), "1", None, True]
+TIMEOUT_RULE = (r"timeout must be a number of seconds >= 0 \(0: no timeout\) or "
+                r"UNSET_RPC_TIMEOUT \(-1\) for the default; got ")
+
+
+@pytest.mark.parametrize("bad", BAD_TIMEOUTS, ids=repr)
+def test_bad_timeout_raises_value_error_before_sending(rpc_world, sent, bad):
+    peer = rpc_world.peer()
+    rref = rpc.remote(peer, takes_one, (torch.ones(1),))
+    rref.to_here()
+    sent.requests = 0
+    calls = [
+        lambda: rpc.rpc_sync(peer, takes_one, (1,), timeout=bad),
+        lambda: rpc.rpc_async(peer, takes_one, (1,), timeout=bad),
+        lambda: rpc.remote(peer, takes_one, (1,), timeout=bad),
+        lambda: rref.to_here(timeout=bad),
+        lambda: rref.rpc_sync(timeout=bad),
+        lambda: rref.rpc_async(timeout=bad),
+        lambda: rref.remote(timeout=bad),
+        lambda: rref._get_type(timeout=bad),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=TIMEOUT_RULE) as info:
+            call()
+        got = repr(bad) if type(bad) in (int, float) else f"{bad!r} ({type(bad).__name__})"
+        assert f"; got {got}" in str(info.value)
+    with pytest.raises(ValueError, match=r"rpc_timeout must be a number of seconds >= 0 "
+                                         r"\(0: no timeout\); got "):
+        rpc._set_rpc_timeout(bad)
+    with pytest.raises(ValueError, match="rpc_timeout must be"):
+        rpc._set_rpc_timeout(rpc.UNSET_RPC_TIMEOUT)  # the default cannot be "the default"
+    assert rpc.get_rpc_timeout() == 60.0
+    assert sent.requests == 0
+    # The allowed values still work: the default marker, 0 (none) and positive numbers.
+    for good in (rpc.UNSET_RPC_TIMEOUT, -1, 0, 0.0, 5, 2.5):
+        assert rpc.rpc_sync(peer, takes_one, (good,), timeout=good) == good
+        assert rref.rpc_sync(timeout=good).size() == torch.Size([1])
+    assert_usable(rpc_world)
+
+
+def test_timeout_error_names_the_timeout_and_the_destination(rpc_world):
+    peer, peer_rank = rpc_world.peer(), rpc_world.peer_rank()
+    where = rf"and will now be marked with an error \(call to {peer}, rank {peer_rank}\)$"
+    with pytest.raises(RuntimeError, match=r"^RPC ran for more than set timeout \(0\.001 ms\) "
+                                           + where):
+        rpc.rpc_sync(peer, sleep_then_return, (0.3, 1), timeout=1e-6)
+    with pytest.raises(RuntimeError, match=r"set timeout \(100 ms\) " + where):
+        rpc.rpc_async(peer, sleep_then_return, (0.6, 2), timeout=0.1).wait()
+    rref = rpc.remote(peer, sleep_then_return, (0.6, 3), timeout=0.0005)
+    with pytest.raises(RuntimeError, match=r"set timeout \(0\.5 ms\) " + where):
+        rref._get_future().wait()
+    with pytest.raises(RuntimeError, match=r"RRef creation via rpc.remote\(\) timed out, and it "
+                                           r"is possible that the RRef on the owner node does "
+                                           rf"not exist\. \(owner: {peer}, rank {peer_rank}\)"):
+        rref.to_here()
     assert_usable(rpc_world)
 
 

@@ -18,7 +18,7 @@ from _dist_utils import wait_until
 
 from lightning_distgrad import rpc
 from lightning_distgrad.rpc import _core, _wire
-from lightning_distgrad.rpc._wire import Frame, Kind
+from lightning_distgrad.rpc._wire import Kind
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

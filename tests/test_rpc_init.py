@@ -20,6 +20,7 @@ from lightning_distgrad.rpc import BackendType, MPIRpcBackendOptions, TensorPipe
 pytestmark = pytest.mark.mpi(min_size=2)
 
 NOT_INITIALIZED = r"^RPC has not been initialized\. Call .*init_rpc first\."
+SHUT_DOWN = "RPC has been shut down on this worker; init_rpc can start it again."
 
 
 # ---------------------------------------------------------------------------
@@ -97,6 +98,53 @@ def test_every_call_without_an_agent_raises_not_initialized(rpc_stopped):
     for call in calls:
         with pytest.raises(RuntimeError, match=NOT_INITIALIZED):
             call()
+
+
+def test_calls_after_shutdown_say_rpc_was_shut_down(rpc_stopped):
+    x = torch.ones(1)
+    calls = [
+        lambda: rpc.rpc_sync("worker0", torch.add, (x, 1)),
+        lambda: rpc.rpc_async("worker0", torch.add, (x, 1)),
+        lambda: rpc.remote("worker0", torch.add, (x, 1)),
+        lambda: rpc.get_worker_info(),
+        lambda: rpc.get_rpc_timeout(),
+        lambda: rpc.shutdown(),
+        lambda: rpc.RRef(3),
+    ]
+    for graceful in (True, False):
+        rpc.init_rpc()
+        assert_works(rpc_stopped.names)
+        rpc_stopped.barrier()  # nothing in flight anywhere (for graceful=False)
+        rpc.shutdown(graceful=graceful)
+        for call in calls:
+            # torch's text first: code ported from torch matches on it.
+            with pytest.raises(RuntimeError, match=NOT_INITIALIZED) as info:
+                call()
+            assert SHUT_DOWN in str(info.value)
+        rpc_stopped.barrier()
+    rpc.init_rpc()  # init_rpc starts it again
+    assert_works(rpc_stopped.names)
+    assert rpc.get_worker_info().name == rpc_stopped.name
+    rpc.shutdown()
+
+
+def test_calls_before_the_first_init_rpc_do_not_say_shut_down(rpc_stopped, monkeypatch):
+    from lightning_distgrad.rpc import _core
+
+    monkeypatch.setattr(_core, "_shut_down", False)  # as in a fresh process
+    with pytest.raises(RuntimeError, match=NOT_INITIALIZED) as info:
+        rpc.rpc_sync("worker0", torch.add, (torch.ones(1), 1))
+    assert "shut down" not in str(info.value)
+
+
+def test_bad_shutdown_timeout_raises_before_shutting_down(rpc_stopped):
+    rpc.init_rpc()
+    for bad in (-5, -0.001, rpc.UNSET_RPC_TIMEOUT, float("nan"), "1", None):
+        with pytest.raises(ValueError, match=r"^timeout must be a number of seconds >= 0 "
+                                             r"\(0: no timeout\); got "):
+            rpc.shutdown(timeout=bad)
+    assert_works(rpc_stopped.names)  # still running
+    rpc.shutdown(timeout=30)
 
 
 def test_rref_used_after_shutdown_raises(rpc_stopped):

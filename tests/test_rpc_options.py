@@ -68,3 +68,48 @@ def test_worker_info_pickles_and_compares():
 
 def test_unset_timeout_sentinel_matches_torch():
     assert rpc.UNSET_RPC_TIMEOUT == -1.0
+
+
+@pytest.mark.parametrize("bad", [-5, -0.001, -1, -1.0, float("nan"), float("inf"), "60", None,
+                                 True], ids=repr)
+def test_options_reject_bad_rpc_timeout(bad):
+    with pytest.raises(ValueError, match=r"^rpc_timeout must be a number of seconds >= 0 "
+                                         r"\(0: no timeout\); got ") as info:
+        MPIRpcBackendOptions(rpc_timeout=bad)
+    assert "UNSET_RPC_TIMEOUT" not in str(info.value)  # the default itself cannot be unset
+
+
+def test_options_accept_zero_and_positive_rpc_timeouts():
+    for good, expected in ((0, 0.0), (0.0, 0.0), (1e-6, 1e-6), (5, 5.0), (2.5, 2.5)):
+        assert MPIRpcBackendOptions(rpc_timeout=good).rpc_timeout == expected
+
+
+def test_check_timeout_says_what_is_allowed():
+    from lightning_distgrad.rpc._core import check_timeout
+
+    assert check_timeout(rpc.UNSET_RPC_TIMEOUT) == rpc.UNSET_RPC_TIMEOUT
+    assert check_timeout(0) == 0.0 and check_timeout(3) == 3.0
+    with pytest.raises(ValueError) as info:
+        check_timeout(-5)
+    assert str(info.value) == ("timeout must be a number of seconds >= 0 (0: no timeout) or "
+                               "UNSET_RPC_TIMEOUT (-1) for the default; got -5")
+    with pytest.raises(ValueError, match=r"; got inf; use 0 for no timeout$"):
+        check_timeout(float("inf"))
+    with pytest.raises(ValueError, match=r"; got '1' \(str\)$"):
+        check_timeout("1")
+    with pytest.raises(ValueError, match=r"^shutdown timeout must be .*; got nan$"):
+        check_timeout(float("nan"), "shutdown timeout", unset_ok=False)
+
+
+def test_timeout_error_keeps_torch_text_and_shows_sub_millisecond_timeouts():
+    from lightning_distgrad.rpc._errors import timeout_error
+
+    dst = WorkerInfo("worker1", 1)
+    assert str(timeout_error(1e-6, dst)) == (
+        "RPC ran for more than set timeout (0.001 ms) and will now be marked with an error "
+        "(call to worker1, rank 1)")
+    assert str(timeout_error(0.1, dst)).startswith("RPC ran for more than set timeout (100 ms) ")
+    assert "(1.5 ms)" in str(timeout_error(0.0015, dst))
+    assert "(60000 ms)" in str(timeout_error(60.0, dst))
+    assert str(timeout_error(2.0)) == (
+        "RPC ran for more than set timeout (2000 ms) and will now be marked with an error")

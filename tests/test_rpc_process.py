@@ -79,11 +79,12 @@ SINGLE_PROCESS_LIFECYCLE = """
     import torch
     import lightning_distgrad.rpc as rpc
 
-    def expect_not_initialized(call):
+    def expect_not_initialized(call, shut_down=False):
         try:
             call()
         except RuntimeError as e:
             assert str(e).startswith("RPC has not been initialized"), e
+            assert ("RPC has been shut down" in str(e)) == shut_down, e
         else:
             raise AssertionError("no error")
 
@@ -99,7 +100,7 @@ SINGLE_PROCESS_LIFECYCLE = """
         rref = rpc.remote("worker0", torch.mul, (torch.ones(2), 3))
         assert rref.is_owner() and torch.equal(rref.to_here(), torch.full((2,), 3.0))
         rpc.shutdown()
-        expect_not_initialized(lambda: rpc.rpc_sync(0, max, (1, 2)))
+        expect_not_initialized(lambda: rpc.rpc_sync(0, max, (1, 2)), shut_down=True)
     print("lifecycle ok", flush=True)
 """
 

@@ -80,8 +80,14 @@ def _context_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
 
 
 def _new_local_optimizer(optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef],
-                         *args: Any, **kwargs: Any) -> RRef:
-    return RRef(_LocalOptimizer(optim_cls, local_params_rref, *args, **kwargs))
+                         *args: Any, **kwargs: Any) -> tuple[RRef | None, list[tuple[int, str]]]:
+    """(the local optimizer, []), or (None, [(position, type name)]) if some RRef holds no
+    tensor: the caller raises for those, and no optimizer is built on bad parameters."""
+    not_tensors = [(i, type(value).__name__) for i, rref in enumerate(local_params_rref)
+                   if not isinstance(value := rref.local_value(), torch.Tensor)]
+    if not_tensors:
+        return None, not_tensors
+    return RRef(_LocalOptimizer(optim_cls, local_params_rref, *args, **kwargs)), []
 
 
 def _local_optimizer_step(local_optim_rref: RRef, context_id: int) -> None:
@@ -142,19 +148,39 @@ def _check_optimizer_class(optimizer_class: Any) -> None:
             f"(for example torch.optim.SGD), got {optimizer_class!r}")
 
 
-def _group_by_owner(params_rref: Iterable[RRef]) -> dict[Any, list[RRef]]:
+def _raise_if_not_tensors(per_owner: dict[Any, list[int]],
+                          not_tensors: list[tuple[Any, list[tuple[int, str]]]]) -> None:
+    """Raise a ``TypeError`` naming the first ``params_rref`` entry whose value is no tensor.
+
+    ``per_owner[owner]`` holds the ``params_rref`` positions of ``owner``'s RRefs;
+    ``not_tensors`` the (owner, [(position among them, type name)]) that owners reported.
+    """
+    bad = sorted((per_owner[owner][i], owner.name, held)
+                 for owner, found in not_tensors for i, held in found)
+    if not bad:
+        return
+    index, owner, held = bad[0]
+    article = "an" if held[:1].lower() in "aeiou" else "a"
+    more = f" ({len(bad) - 1} more entries hold no tensor either)" if len(bad) > 1 else ""
+    raise TypeError(
+        f"DistributedOptimizer: params_rref[{index}] (owned by {owner}) holds {article} {held}, "
+        "not a tensor; pass RRefs to parameters, e.g. RemoteModule.remote_parameters()" + more)
+
+
+def _group_by_owner(params_rref: Iterable[RRef]) -> dict[Any, list[tuple[int, RRef]]]:
+    """``{owner: [(position in params_rref, rref)]}``, owners in order of first appearance."""
     if isinstance(params_rref, (torch.Tensor, RRef)) or not isinstance(params_rref, Iterable):
         raise TypeError(
             "DistributedOptimizer: params_rref must be a list of RRefs to parameters, got "
             f"{type(params_rref).__name__}")
-    per_owner: dict[Any, list[RRef]] = collections.defaultdict(list)
+    per_owner: dict[Any, list[tuple[int, RRef]]] = collections.defaultdict(list)
     for i, rref in enumerate(params_rref):
         if not isinstance(rref, RRef):
             raise TypeError(
                 f"DistributedOptimizer: params_rref[{i}] is a {type(rref).__name__}, not an "
                 "RRef. Wrap a local parameter with lightning_distgrad.rpc.RRef(param), and "
                 "get the parameters of a RemoteModule with remote_module.remote_parameters().")
-        per_owner[rref.owner()].append(rref)
+        per_owner[rref.owner()].append((i, rref))
     if not per_owner:
         raise ValueError("DistributedOptimizer got an empty params_rref list")
     return per_owner
@@ -191,7 +217,7 @@ class DistributedOptimizer:
 
     Raises:
         TypeError: ``optimizer_class`` is not an optimizer class, or an entry of
-            ``params_rref`` is not an RRef.
+            ``params_rref`` is not an RRef, or is an RRef to something other than a tensor.
         ValueError: ``params_rref`` is empty.
         Exception: whatever an owner's optimizer constructor raised, with its type.
 
@@ -225,9 +251,16 @@ class DistributedOptimizer:
         _check_optimizer_class(optimizer_class)
         per_owner = _group_by_owner(params_rref)
         self.optimizer_class = optimizer_class
-        self.remote_optimizers: list[RRef] = _call_all([
-            (owner, _new_local_optimizer, (optimizer_class, rrefs, *args), kwargs)
-            for owner, rrefs in per_owner.items()])
+        # The owners check that their RRefs hold tensors in the same call that builds
+        # their optimizers: one round trip per owner.
+        built = _call_all([
+            (owner, _new_local_optimizer,
+             (optimizer_class, [rref for _, rref in entries], *args), kwargs)
+            for owner, entries in per_owner.items()])
+        _raise_if_not_tensors(
+            {owner: [i for i, _ in entries] for owner, entries in per_owner.items()},
+            [(owner, found) for owner, (_, found) in zip(per_owner, built, strict=True)])
+        self.remote_optimizers: list[RRef] = [optim for optim, _ in built]
 
     def step(self, context_id: int) -> None:
         r"""Run one optimizer step on every owner with the gradients of ``context_id``.

@@ -107,9 +107,30 @@ def register_one_way(kind: Kind, body_type: type, handler: Callable[[int, Any, l
     _ONE_WAY[kind] = OneWay(body_type, handler, serve, waiter_key)
 
 
+_NOT_IMPORTABLE_HINT = (
+    "Default RPC pickler does not serialize function code. Ensure that UDFs are defined on "
+    "both caller and callee modules: remote functions, and the classes of their arguments, "
+    "must be importable under the same module path on every rank. Define them at module level "
+    "in a module that every rank imports, not under `if rank == 0:` or "
+    "`if __name__ == '__main__':`."
+)
+
+
+def _not_importable(exc: ImportError | AttributeError) -> BaseException:
+    """``exc`` (raised while unpickling a request) with the hint, keeping its type if possible."""
+    try:
+        return type(exc)(f"{exc}. {_NOT_IMPORTABLE_HINT}")
+    except Exception:  # a subclass whose constructor takes other arguments
+        return RuntimeError(f"{type(exc).__name__}: {exc}. {_NOT_IMPORTABLE_HINT}")
+
+
 def _decode_and_call(payload: bytes, tensors: list) -> tuple[Callable, Any]:
     """Run a request's function; returns (function, result)."""
-    func, args, kwargs = decode_payload(payload, tensors)
+    # Only the unpickling is wrapped: the function's own errors reach the caller as raised.
+    try:
+        func, args, kwargs = decode_payload(payload, tensors)
+    except (ImportError, AttributeError) as e:
+        raise _not_importable(e) from e
     return func, func(*args, **kwargs)
 
 
@@ -301,7 +322,7 @@ class Agent:
         for call_id in expired:
             pending = self._pending.pop(call_id, None)
             if pending is not None:
-                self._complete(pending, False, timeout_error(pending.timeout))
+                self._complete(pending, False, timeout_error(pending.timeout, pending.dst))
         if rearm:
             self.transport.call_later(_TIMEOUT_CHECK_S, self._expire_calls)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -13,11 +15,15 @@ from ._agent import Agent, WorkerInfo
 UNSET_RPC_TIMEOUT = -1.0
 
 _agent: Agent | None = None
+#: True from ``shutdown`` until the next ``init_rpc``: tells "shut down" from "never started".
+_shut_down = False
 
 
 def set_agent(agent: Agent | None) -> None:
-    global _agent
+    """Make ``agent`` current; None (from ``shutdown``) marks RPC as shut down."""
+    global _agent, _shut_down
     _agent = agent
+    _shut_down = agent is None
 
 
 def current_agent() -> Agent | None:
@@ -27,10 +33,47 @@ def current_agent() -> Agent | None:
 def require_agent() -> Agent:
     """The running agent, or the error torch gives before ``init_rpc``/after ``shutdown``."""
     if _agent is None:
+        # torch's text stays the prefix after shutdown too: ported code matches on it.
+        if _shut_down:
+            raise RuntimeError(
+                "RPC has not been initialized. Call lightning_distgrad.rpc.init_rpc first. "
+                "(RPC has been shut down on this worker; init_rpc can start it again.)"
+            )
         raise RuntimeError(
             "RPC has not been initialized. Call lightning_distgrad.rpc.init_rpc first."
         )
     return _agent
+
+
+def check_timeout(timeout: Any, name: str = "timeout", *, unset_ok: bool = True) -> float:
+    """``timeout`` as float seconds, or ``ValueError`` before anything is sent.
+
+    Allowed: a real number >= 0 (0: no timeout), and with ``unset_ok``
+    ``UNSET_RPC_TIMEOUT`` (-1) for the agent's default. Rejected: other
+    negatives, NaN, infinity, bools and non-numbers.
+
+    Example::
+        >>> check_timeout(2)
+        2.0
+        >>> check_timeout(-1)   # UNSET_RPC_TIMEOUT
+        -1.0
+        >>> check_timeout(-5)   # ValueError: timeout must be a number of seconds >= 0 ...
+    """
+    kind = type(timeout)
+    if kind is float or kind is int:  # the common case, checked without isinstance
+        if 0 <= timeout < math.inf:  # False for NaN
+            return float(timeout)
+        if unset_ok and timeout == UNSET_RPC_TIMEOUT:
+            return UNSET_RPC_TIMEOUT
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        return check_timeout(float(timeout), name, unset_ok=unset_ok)
+    allowed = f"{name} must be a number of seconds >= 0 (0: no timeout)"
+    if unset_ok:
+        allowed += " or UNSET_RPC_TIMEOUT (-1) for the default"
+    got = repr(timeout) if kind is float or kind is int else f"{timeout!r} ({kind.__name__})"
+    if kind is float and timeout == math.inf:
+        got += "; use 0 for no timeout"
+    raise ValueError(f"{allowed}; got {got}")
 
 
 def resolve(agent: Agent, to: Any) -> WorkerInfo:
@@ -74,11 +117,12 @@ def invoke(to: Any, func: Callable, args: tuple | list | None, kwargs: dict | No
            force_autograd: bool | None = None, arrival_forks: list | None = None,
            ) -> torch.futures.Future:
     """Validate, then send one request; everything is checked before anything is sent."""
+    timeout = check_timeout(timeout)
     agent = require_agent()
     dst = resolve(agent, to)
     if not callable(func):
         raise TypeError("function should be callable.")
-    if timeout is None or timeout == UNSET_RPC_TIMEOUT:
+    if timeout == UNSET_RPC_TIMEOUT:
         timeout = agent.timeout
     operator = is_builtin(func)
     if force_autograd is None:

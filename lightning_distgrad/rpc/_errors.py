@@ -9,10 +9,24 @@ from typing import Any
 import torch
 
 
-def timeout_error(timeout: float) -> RuntimeError:
+def timeout_error(timeout: float, dst: Any = None) -> RuntimeError:
+    """torch's timeout error (ported code matches its leading text), naming the
+    destination worker ``dst`` if given.
+
+    Example::
+        >>> from lightning_distgrad.rpc import WorkerInfo
+        >>> str(timeout_error(1e-6, WorkerInfo("worker1", 1)))[:45]
+        'RPC ran for more than set timeout (0.001 ms) '
+        >>> str(timeout_error(0.5, WorkerInfo("worker1", 1))).endswith("(call to worker1, rank 1)")
+        True
+    """
+    ms = timeout * 1000
+    # A sub-millisecond timeout must not read as 0 ms, which would mean "no timeout".
+    shown = f"{ms:.3f}".rstrip("0").rstrip(".") if ms >= 1 else f"{ms:.3g}"
+    where = f" (call to {dst.name}, rank {dst.id})" if dst is not None else ""
     return RuntimeError(
-        f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be "
-        "marked with an error"
+        f"RPC ran for more than set timeout ({shown} ms) and will now be marked with an error"
+        + where
     )
 
 

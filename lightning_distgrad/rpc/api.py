@@ -181,6 +181,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         >>> rpc.init_rpc()
         >>> rpc.shutdown()   # on every rank
     """
+    timeout = _core.check_timeout(timeout, unset_ok=False)
     agent = _core.require_agent()
     finished = not graceful
     try:
@@ -280,8 +281,16 @@ def get_rpc_timeout() -> float:
 
 
 def _set_rpc_timeout(rpc_timeout: float) -> None:
-    """Set the default timeout of RPCs issued from now on (seconds; 0 = none)."""
-    _core.require_agent().timeout = float(rpc_timeout)
+    """Set the default timeout of RPCs issued from now on (seconds; 0 = none).
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> rpc._set_rpc_timeout(5)
+        >>> rpc.get_rpc_timeout()
+        5.0
+    """
+    rpc_timeout = _core.check_timeout(rpc_timeout, "rpc_timeout", unset_ok=False)
+    _core.require_agent().timeout = rpc_timeout
 
 
 def _get_current_rpc_agent() -> Agent:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ._core import check_timeout
+
 __all__ = ["BackendType", "MPIRpcBackendOptions", "TensorPipeRpcBackendOptions",
            "RpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "DEFAULT_NUM_WORKER_THREADS"]
 
@@ -65,7 +67,7 @@ class MPIRpcBackendOptions:
             raise ValueError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
         self.max_message_bytes = max_message_bytes
         self.num_worker_threads = num_worker_threads
-        self.rpc_timeout = float(rpc_timeout)
+        self.rpc_timeout = check_timeout(rpc_timeout, "rpc_timeout", unset_ok=False)
         self.comm = comm
         self.init_method = init_method
         self.devices = [_to_device(d) for d in devices or []]

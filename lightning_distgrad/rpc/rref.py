@@ -275,6 +275,7 @@ class _Proxy:
     """``rref.rpc_sync().method(...)`` and friends: run a method on the owner."""
 
     def __init__(self, rref: RRef, mode: str, timeout: float):
+        timeout = _core.check_timeout(timeout)  # at rref.rpc_sync(timeout), not at the method call
         self._rref = rref
         self._mode = mode
         self._timeout = timeout
@@ -395,6 +396,7 @@ class RRef(Generic[T]):
         Inside a distributed autograd context the fetch is recorded, so
         gradients flow back to the owner's value.
         """
+        timeout = _core.check_timeout(timeout)
         if self._user is None:
             return self._entry.future.wait()
         if self._user.deleted:
@@ -414,9 +416,11 @@ class RRef(Generic[T]):
             creation.wait()
         except RuntimeError as e:
             if "RPC ran for more than" in str(e):
+                owner = self.owner()
                 raise RuntimeError(
                     "RRef creation via rpc.remote() timed out, and it is possible that the "
-                    "RRef on the owner node does not exist.") from e
+                    f"RRef on the owner node does not exist. (owner: {owner.name}, "
+                    f"rank {owner.id})") from e
 
     def _get_future(self) -> torch.futures.Future:
         """The future of the ``remote()`` call that created this RRef."""
@@ -427,6 +431,7 @@ class RRef(Generic[T]):
         return self._creation
 
     def _get_type(self, timeout: float = _core.UNSET_RPC_TIMEOUT, blocking: bool = True):
+        timeout = _core.check_timeout(timeout)
         if self._user is None:
             return type(self._entry.future.wait())
         if self._user.type is None:
@@ -533,6 +538,7 @@ class RRef(Generic[T]):
 
 def create_remote(to: Any, func: Callable, args, kwargs, timeout: float) -> RRef:
     """``rpc.remote``: run ``func`` on ``to`` and return a reference to its result."""
+    timeout = _core.check_timeout(timeout)
     agent = _core.require_agent()
     dst = _core.resolve(agent, to)
     if not callable(func):
