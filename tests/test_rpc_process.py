@@ -105,6 +105,51 @@ SINGLE_PROCESS_LIFECYCLE = """
 """
 
 
+FROZEN_PEER_TIMEOUT = """
+    import os, signal, time
+    import torch
+    from mpi4py import MPI
+    import lightning_distgrad.rpc as rpc
+
+    rpc.init_rpc()
+    me = rpc.get_worker_info().id
+    rpc.rpc_sync((me + 1) % 3, torch.add, (torch.ones(1), 1))  # every agent answers
+    if me == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: answers nothing from now on
+    time.sleep(0.5)
+    if me == 0:
+        try:
+            rpc.rpc_sync("worker2", torch.add, (torch.ones(1), 1), timeout=2)
+        except RuntimeError as e:
+            print(f"call failed: {e}", flush=True)
+    start = time.monotonic()
+    try:
+        rpc.shutdown(timeout=5)
+    except RuntimeError as e:
+        print(f"rank {me} shutdown raised after {time.monotonic() - start:.1f} s: {e}",
+              flush=True)
+    time.sleep(1.0)
+    if me == 0:
+        MPI.COMM_WORLD.Abort(3)  # the only way to end a job with a stopped rank
+    time.sleep(60)
+"""
+
+FROZEN_PEER_DEFAULT = """
+    import os, signal, time
+    import torch
+    import lightning_distgrad.rpc as rpc
+
+    rpc.init_rpc(rpc_backend_options=rpc.MPIRpcBackendOptions(rpc_timeout=3))
+    me = rpc.get_worker_info().id
+    rpc.rpc_sync((me + 1) % 3, torch.add, (torch.ones(1), 1))
+    if me == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(0.5)
+    rpc.shutdown()
+    print(f"rank {me} shutdown returned", flush=True)
+"""
+
+
 def _mpi(n: int, *python_args: str) -> list[str]:
     return [MPIEXEC or "mpiexec", "-n", str(n), sys.executable, *python_args]
 
@@ -115,6 +160,8 @@ JOBS = {
     "raise-python": (RAISES_AFTER_INIT, _mpi(2)),
     "forgets-shutdown": (FORGETS_SHUTDOWN, _mpi(2, "-m", "mpi4py")),
     "single-process": (SINGLE_PROCESS_LIFECYCLE, [sys.executable]),
+    "frozen-peer-timeout": (FROZEN_PEER_TIMEOUT, _mpi(3, "-m", "mpi4py")),
+    "frozen-peer-default": (FROZEN_PEER_DEFAULT, _mpi(3, "-m", "mpi4py")),
 }
 
 
@@ -206,3 +253,32 @@ def test_single_process_lifecycle_without_mpiexec(jobs):
     code, out, _ = jobs["single-process"].wait()
     assert code == 0, out
     assert "lifecycle ok" in out, out
+
+
+@needs_mpiexec
+@pytest.mark.job("frozen-peer-timeout")
+def test_a_frozen_peer_bounds_calls_and_a_timed_shutdown(jobs):
+    """A stopped rank (SIGSTOP): a call to it times out naming it, and shutdown(timeout=5)
+    raises on every healthy rank within 5 + 2 s, naming the worker that did not join."""
+    code, out, _ = jobs["frozen-peer-timeout"].wait()
+    assert "call failed: RPC ran for more than set timeout (2000 ms)" in out, out
+    assert "(call to worker2, rank 2)" in out, out
+    for rank in (0, 1):
+        said = f"rank {rank} shutdown raised"
+        line = next((ln for ln in out.splitlines() if ln.startswith(said)), None)
+        assert line is not None, out
+        seconds = float(line.split(" after ")[1].split(" s")[0])
+        assert seconds <= 7.0, line
+        assert "worker2 (rank 2) did not call shutdown" in line, line
+
+
+@needs_mpiexec
+@pytest.mark.job("frozen-peer-default")
+def test_a_frozen_peer_ends_a_default_shutdown_by_aborting_the_job(jobs):
+    """Without a timeout, shutdown waits for workers that answer; one that leaves a
+    liveness ping unanswered for the RPC timeout (3 s here) ends the job, named."""
+    code, out, seconds = jobs["frozen-peer-default"].wait()
+    assert code != 0, out
+    assert "worker2 (rank 2) did not answer for 3 s" in out, out
+    assert "shutdown returned" not in out, out
+    assert seconds < 60, out

@@ -541,7 +541,9 @@ class Transport:
         except MemoryError:
             self._abandon(requests)
             raise MalformedFrame("no memory for its tensors", frame) from None
-        if requests:
+        # Frames from one source are handed over in the order they came: one whose
+        # bytes are still arriving holds back the later ones.
+        if requests or any(item.source == source for item in self._incoming):
             self._incoming.append(_Incoming(source, frame, tensors, requests, sizes,
                                             time.monotonic() + self._transfer_timeout))
         else:
@@ -556,9 +558,11 @@ class Transport:
         if self._incoming:
             now = time.monotonic()
             still = []
+            waiting: set[int] = set()  # sources with an earlier frame still arriving
             for item in self._incoming:
-                problem = self._transfer_problem(item, now)
+                problem = None if item.source in waiting else self._transfer_problem(item, now)
                 if problem is None:
+                    waiting.add(item.source)
                     still.append(item)
                     continue
                 progressed = True

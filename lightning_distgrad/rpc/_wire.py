@@ -160,6 +160,8 @@ def decode_frame(raw: bytes | bytearray, limits: FrameLimits) -> Frame:
         raise MalformedFrame(f"payload is a {type(payload).__name__}, not bytes", frame)
     if type(metas) is not tuple or type(forks) is not tuple:
         raise MalformedFrame("tensor table and forks must be tuples", frame)
+    if not all(_is_fork(f) for f in forks):
+        raise MalformedFrame("forks must be ((worker, id), (worker, id)) pairs", frame)
     total = len(raw)
     for index, meta in enumerate(metas):
         problem = _meta_problem(meta, limits)
@@ -172,6 +174,15 @@ def decode_frame(raw: bytes | bytearray, limits: FrameLimits) -> Frame:
             f"max_message_bytes ({_size(limits.max_message_bytes)}); raise it with "
             "MPIRpcBackendOptions(max_message_bytes=...) on the receiver", frame)
     return frame
+
+
+def _is_guid(guid: Any) -> bool:
+    return type(guid) is tuple and len(guid) == 2 and all(type(i) is int for i in guid)
+
+
+def _is_fork(fork: Any) -> bool:
+    """An (RRef id, fork id) pair, each a (worker id, local id) guid."""
+    return type(fork) is tuple and len(fork) == 2 and _is_guid(fork[0]) and _is_guid(fork[1])
 
 
 def _meta_problem(meta: Any, limits: FrameLimits) -> str | None:
@@ -191,7 +202,7 @@ def _meta_problem(meta: Any, limits: FrameLimits) -> str | None:
                 "MPIRpcBackendOptions(max_message_bytes=...) on the receiver")
     if inline is not None and (type(inline) not in (bytes, bytearray) or len(inline) != nbytes):
         return f"its inline bytes do not match the declared {nbytes} bytes"
-    if device not in limits.devices:
+    if type(device) is not str or device not in limits.devices:
         return (f"it is mapped to device {device!r}, which this worker lacks "
                 f"(it has {sorted(limits.devices)}); fix the sender's device map")
     return None
