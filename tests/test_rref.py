@@ -191,13 +191,18 @@ class _SlowLink:
         self._dst = dst
         self._delay = delay
         self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._forward, daemon=True)
 
     def send(self, dst, frame, tensors, devices=None):
-        if dst != self._dst:
-            return self._send(dst, frame, tensors, devices)
-        self._queue.put((time.monotonic() + self._delay, frame, tensors, devices))
-        return None
+        if dst == self._dst:
+            with self._lock:
+                if not self._closed:
+                    self._queue.put((time.monotonic() + self._delay, frame, tensors, devices))
+                    return None
+            self._thread.join()  # closed meanwhile: the frames held back go first
+        return self._send(dst, frame, tensors, devices)
 
     def _forward(self):
         while (item := self._queue.get()) is not None:
@@ -211,9 +216,11 @@ class _SlowLink:
         return self
 
     def __exit__(self, *exc):
-        del self._transport.send  # back to the class's method
-        self._queue.put(None)
+        with self._lock:
+            self._closed = True
+            self._queue.put(None)
         self._thread.join()  # the held-back frames are sent by now
+        del self._transport.send  # back to the class's method
 
 
 @contextlib.contextmanager
