@@ -8,7 +8,9 @@ traffic from several users at the same time.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import queue
 import re
 import threading
 import time
@@ -144,6 +146,20 @@ def confirmed(rref):
     return rref.confirmed_by_owner()
 
 
+def fetch_soon(rref):
+    """``to_here`` with a short timeout: a lost fetch fails the test instead of hanging it."""
+    return rref.to_here(timeout=10).get()
+
+
+def get_through_proxy(rref):
+    return rref.rpc_sync(timeout=10).get()
+
+
+def fetch_and_drop(rref):
+    """Use an RRef at once; the caller's copy is dropped on return (a delete to the owner)."""
+    return rref.to_here(timeout=10).get()
+
+
 # ---------------------------------------------------------------------------
 # Helpers
 
@@ -158,6 +174,62 @@ def wait_for(predicate, what: str, details=None, timeout: float = SETTLE_TIMEOUT
             extra = f": {details()}" if details is not None else ""
             raise AssertionError(f"timed out after {timeout} s waiting for {what}{extra}")
         time.sleep(0.01)
+
+
+class _SlowLink:
+    """Holds back every frame this rank sends to ``dst`` for ``delay`` s, keeping their order.
+
+    MPI keeps the frames between one pair of ranks in order, but nothing orders
+    frames from different senders: a frame this rank sends to ``dst`` may
+    arrive after a later one that went through a third rank (another node, a
+    busy link). This makes that happen every time.
+    """
+
+    def __init__(self, transport, dst: int, delay: float):
+        self._transport = transport
+        self._send = transport.send
+        self._dst = dst
+        self._delay = delay
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._forward, daemon=True)
+
+    def send(self, dst, frame, tensors, devices=None):
+        if dst == self._dst:
+            with self._lock:
+                if not self._closed:
+                    self._queue.put((time.monotonic() + self._delay, frame, tensors, devices))
+                    return None
+            self._thread.join()  # closed meanwhile: the frames held back go first
+        return self._send(dst, frame, tensors, devices)
+
+    def _forward(self):
+        while (item := self._queue.get()) is not None:
+            due, frame, tensors, devices = item
+            time.sleep(max(0.0, due - time.monotonic()))
+            self._send(self._dst, frame, tensors, devices)
+
+    def __enter__(self):
+        self._thread.start()
+        self._transport.send = self.send
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._closed = True
+            self._queue.put(None)
+        self._thread.join()  # the held-back frames are sent by now
+        del self._transport.send  # back to the class's method
+
+
+@contextlib.contextmanager
+def slow_link_to(to: str, delay: float = 0.3):
+    """Delay this rank's frames to worker ``to`` (see :class:`_SlowLink`)."""
+    from lightning_distgrad.rpc import _core
+
+    with _SlowLink(_core.require_agent().transport, rpc.get_worker_info(to).id, delay):
+        yield
 
 
 def settle(world) -> None:
@@ -311,6 +383,35 @@ def test_rpc_can_return_rrefs(rpc_world):
     other = rpc.rpc_sync(rpc_world.peer(), make_remote_on, (third, torch.ones(2)))
     assert other.owner_name() == third
     assert torch.equal(other.to_here(), torch.ones(2))
+
+
+@pytest.mark.mpi(min_size=3)
+def test_third_worker_overtakes_the_creator_on_its_way_to_the_owner(rpc_world):
+    # Every frame from this rank to the owner comes late: the remote() that
+    # creates the value and the add_fork of the fork sent to the third worker
+    # reach the owner after the third worker's own requests and deletes.
+    tag = ("overtaken", rpc_world.rank)
+    owner, third = rpc_world.peer(1), rpc_world.peer(2)
+    with slow_link_to(owner):
+        # The third worker fetches a value whose creation has not reached the owner.
+        rref = rpc.remote(owner, make_tracked, (tag, 5))
+        assert rpc.rpc_sync(third, fetch_soon, (rref,)) == 5
+        # ... and sends it back to the owner in a method call.
+        rref = rpc.remote(owner, make_tracked, (tag, 6))
+        assert rpc.rpc_sync(third, get_through_proxy, (rref,)) == 6
+        # The third worker's delete reaches the owner before the fork's registration
+        # and the creation: this worker's reference still keeps the value.
+        rref = rpc.remote(owner, make_tracked, (tag, 7))
+        assert rpc.rpc_sync(third, fetch_and_drop, (rref,)) == 7
+        assert rref.to_here(timeout=10).get() == 7
+        # A peer creates a value on the worker after it and returns it here; its
+        # frames to that owner are late (every rank runs this with its own slow link).
+        other = rpc.rpc_sync(rpc_world.peer(), make_remote_on, (third, torch.ones(2)))
+        assert torch.equal(other.to_here(timeout=10), torch.ones(2))
+        del rref, other
+    wait_for(lambda: rpc.rpc_sync(owner, alive, (tag,)) == 0, "the owner to drop the values",
+             lambda: rpc.rpc_sync(owner, owner_table))
+    settle(rpc_world)
 
 
 def test_nested_rrefs(rpc_world):

@@ -15,6 +15,12 @@ anywhere. Forks are registered with the owner before they can be deleted:
 So a user that hands an RRef on and drops its own copy at once never makes the
 owner drop the value too early, and the owner drops it when the last fork is
 deleted.
+
+Frames from different workers arrive in no particular order, so a request for
+the value (``to_here`` from a user the creator handed the RRef to) may reach
+the owner before the ``remote()`` that creates it. A request that waits for a
+value keeps the owner's entry alive until the value is set, so the creation
+finds that entry and sets the value the request waits for.
 """
 
 from __future__ import annotations
@@ -79,6 +85,8 @@ class RRefContext:
         self._lock = threading.Lock()
         self.owners: dict[tuple, _OwnerEntry] = {}  # values that have live forks
         self._local: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # Entries whose value requests wait for (its creation included), until it is set.
+        self._awaited: dict[tuple, _OwnerEntry] = {}
         self._early_deletes: set[tuple] = set()
         self._users: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -91,13 +99,25 @@ class RRefContext:
         return entry
 
     def entry(self, rref_id) -> _OwnerEntry:
-        """The owner entry for ``rref_id``, created (pending) if unknown yet."""
+        """The owner entry for ``rref_id``, for a request that waits for its value.
+
+        Created (pending) if unknown yet. Until :meth:`value_set`, a pending entry is
+        held here: the creation finds its entry by id, and may come after every
+        other reference to the entry is gone (or before any exists).
+        """
         with self._lock:
             entry = self.owners.get(rref_id) or self._local.get(rref_id)
             if entry is None:
                 entry = _OwnerEntry(rref_id)
                 self._local[rref_id] = entry
+            if not entry.future.done():
+                self._awaited[rref_id] = entry
             return entry
+
+    def value_set(self, entry: _OwnerEntry) -> None:
+        """Call once ``entry.future`` is done: no waiting request needs it held."""
+        with self._lock:
+            self._awaited.pop(entry.rref_id, None)
 
     def add_fork(self, rref_id, fork_id) -> None:
         key = (rref_id, fork_id)
@@ -147,6 +167,7 @@ class RRefContext:
     def debug_info(self) -> dict[str, int]:
         with self._lock:
             entries = list(self.owners.values())
+            entries += [e for k, e in self._awaited.items() if k not in self.owners]
         users = list(self._users.values())
         return {
             "num_owner_rrefs": len(entries),
@@ -201,7 +222,8 @@ def _require_context() -> RRefContext:
 
 @async_execution
 def _create_owner_value(rref_id, func: Callable, args: tuple, kwargs: dict) -> torch.futures.Future:
-    entry = _require_context().entry(rref_id)
+    context = _require_context()
+    entry = context.entry(rref_id)
     done: torch.futures.Future = torch.futures.Future()
 
     def finish(value: Any = None, error: BaseException | None = None) -> None:
@@ -217,6 +239,7 @@ def _create_owner_value(rref_id, func: Callable, args: tuple, kwargs: dict) -> t
             error = error.with_traceback(tb.tb_next if tb is not None else None)
             set_error(entry.future, error)
             set_error(done, error)
+        context.value_set(entry)
 
     try:
         result = func(*args, **kwargs)
