@@ -114,6 +114,7 @@ FROZEN_PEER_TIMEOUT = """
     rpc.init_rpc()
     me = rpc.get_worker_info().id
     rpc.rpc_sync((me + 1) % 3, torch.add, (torch.ones(1), 1))  # every agent answers
+    MPI.COMM_WORLD.Barrier()  # every call was answered before rank 2 stops
     if me == 2:
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen: answers nothing from now on
     time.sleep(0.5)
@@ -137,11 +138,13 @@ FROZEN_PEER_TIMEOUT = """
 FROZEN_PEER_DEFAULT = """
     import os, signal, time
     import torch
+    from mpi4py import MPI
     import lightning_distgrad.rpc as rpc
 
     rpc.init_rpc(rpc_backend_options=rpc.MPIRpcBackendOptions(rpc_timeout=3))
     me = rpc.get_worker_info().id
     rpc.rpc_sync((me + 1) % 3, torch.add, (torch.ones(1), 1))
+    MPI.COMM_WORLD.Barrier()
     if me == 2:
         os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(0.5)
