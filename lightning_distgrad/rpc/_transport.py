@@ -258,6 +258,7 @@ class Transport:
             if self._poller is Poller.WAITER or self._state is not State.RUNNING:
                 return False
             self._poller, self._waiter = Poller.WAITER, me
+            self._disarm_hand_back()
         if not _in_default_modes():
             # Frames handled here (requests, received tensors, recorded autograd) belong
             # to other threads and ranks: not to this caller's no_grad or autocast.
@@ -292,8 +293,13 @@ class Transport:
         """Run ``fn`` on the polling thread, outside the lock, after ``delay`` s."""
         with self._lock:
             self._timer_seq += 1
-            heapq.heappush(self._timers, (time.monotonic() + delay, self._timer_seq, fn))
-        self._bell.ring_self()
+            entry = (time.monotonic() + delay, self._timer_seq, fn)
+            heapq.heappush(self._timers, entry)
+            # A napping progress thread must wake for a timer earlier than its nap's end;
+            # a waiter that polls fires timers itself.
+            ring = self._timers[0] is entry and self._poller is Poller.PROGRESS_THREAD
+        if ring:
+            self._bell.ring_self()
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the polling thread soon. Takes no lock: safe from ``__del__``,
@@ -362,9 +368,8 @@ class Transport:
                     self._state = State.STOPPED
                     break
                 stepped_aside = self._poller is Poller.WAITER
-                if not stepped_aside and self._armed_for_hand_back:
-                    self._armed_for_hand_back = False
-                    self._bell.disarm()
+                if not stepped_aside:
+                    self._disarm_hand_back()
             if stepped_aside:
                 # The waiter polls, fires timers and answers rings; it arms our bell
                 # and rings it when it leaves (see _hand_back).
@@ -407,11 +412,18 @@ class Transport:
             if not self._armed_for_hand_back:
                 self._armed_for_hand_back = True
                 self._bell.arm()
-            pending = bool(self._sends or self._incoming or self._ready or self._timers
+            pending = bool(self._sends or self._incoming or self._ready or self._soon
+                           or (self._timers and self._timers[0][0] <= time.monotonic())
                            or self._frame_waiting())
         if pending:
             self._bell.ring_self()
         return left
+
+    def _disarm_hand_back(self) -> None:
+        """Under the lock: someone polls again, so peers need not ring for it."""
+        if self._armed_for_hand_back:
+            self._armed_for_hand_back = False
+            self._bell.disarm()
 
     def _frame_waiting(self) -> bool:
         # Twice: MPICH matches before it makes progress (see _poll_frames).
