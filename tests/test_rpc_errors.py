@@ -246,6 +246,10 @@ def test_function_missing_on_callee_error_says_how_to_define_it(rpc_world):
         assert NOT_IMPORTABLE in str(info.value)
         with pytest.raises(ModuleNotFoundError, match=NOT_IMPORTABLE):
             rpc.remote(rpc_world.peer(), module.f, (1,))._get_future().wait()
+        # Nothing was created on the owner: to_here reports the creation's error
+        # instead of waiting for a value that will never exist.
+        with pytest.raises(ModuleNotFoundError, match=NOT_IMPORTABLE):
+            rpc.remote(rpc_world.peer(), module.f, (1,)).to_here(timeout=20)
     finally:
         delattr(this_module, name)
         del sys.modules[module.__name__]

@@ -107,7 +107,7 @@ def test_bytes_that_never_arrive_are_abandoned_and_the_poller_naps(rpc_world, mo
     transfer deadline, napping (not spinning), then abandons it and answers the call."""
     world = rpc_world
     transport = _core.require_agent().transport
-    monkeypatch.setattr(transport, "_transfer_timeout", 4.0)
+    monkeypatch.setattr(transport._receiver, "transfer_timeout", 4.0)
     world.barrier()
     n = _wire.INLINE_LIMIT  # above the inline limit: its bytes would follow on ``data``
     future = call_with_metas(world, ((FLOAT32, (n,), 4 * n, None, "cpu"),))
@@ -120,7 +120,8 @@ def test_bytes_that_never_arrive_are_abandoned_and_the_poller_naps(rpc_world, mo
         future.wait()
     idle = world.comm.allgather(used)
     assert max(idle) <= 0.05, f"cores used per rank while a transfer hung: {idle}"
-    assert wait_until(lambda: not transport._incoming and not transport._cancelled)
+    receiver = transport._receiver
+    assert wait_until(lambda: not receiver.incoming and not receiver.cancelled)
     assert answers_normally(world)
 
 
@@ -160,9 +161,9 @@ def test_a_malformed_response_fails_its_call(rpc_world):
 
 
 def _agent_pending(future, world):
-    from lightning_distgrad.rpc._agent import _Pending
+    from lightning_distgrad.rpc._calls import Pending
 
-    return _Pending(future, rpc.get_worker_info(world.name), False, None, 0)
+    return Pending(future, rpc.get_worker_info(world.name), False, None, 0)
 
 
 def fuzz_frames(seed: int, count: int) -> list[tuple[bytes, list]]:
@@ -201,12 +202,12 @@ def test_a_thousand_fuzzed_frames_leave_the_agent_serving(rpc_world, monkeypatch
     graceful shutdown still drains (every frame is counted on both sides)."""
     world = rpc_world
     transport = _core.require_agent().transport
-    monkeypatch.setattr(transport, "_transfer_timeout", 1.0)
+    monkeypatch.setattr(transport._receiver, "transfer_timeout", 1.0)
     world.barrier()
     if world.rank == 0:
         for raw, buffers in fuzz_frames(seed=1234, count=1200):
             transport.send_raw(1, raw, buffers)
     world.barrier()
     assert answers_normally(world)
-    assert wait_until(lambda: not transport._incoming, timeout=30)
+    assert wait_until(lambda: not transport._receiver.incoming, timeout=30)
     assert answers_normally(world)

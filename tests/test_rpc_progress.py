@@ -13,8 +13,8 @@ from _dist_utils import wait_until
 from mpi4py import MPI
 
 from lightning_distgrad.rpc import _doorbell
-from lightning_distgrad.rpc._doorbell import Doorbell, LocalBell
-from lightning_distgrad.rpc._transport import Transport, _Backoff
+from lightning_distgrad.rpc._doorbell import Backoff, Doorbell, LocalBell
+from lightning_distgrad.rpc._transport import Transport
 from lightning_distgrad.rpc._wire import Frame, FrameLimits, Kind, local_devices
 
 BODY = Frame(Kind.RREF_FORK, -1, None, (), ("body",))
@@ -63,8 +63,9 @@ def test_one_poll_after_a_nap_delivers_a_frame_that_the_first_probe_misses():
     delivered = []
     transport = make_transport(MPI.COMM_SELF,
                                lambda source, frame, tensors: delivered.append(frame))
-    own_ctrl = transport.ctrl
-    late = transport.ctrl = _MatchBeforeProgressComm(BODY.dumps())
+    receiver = transport._receiver
+    own_ctrl = receiver.ctrl
+    late = receiver.ctrl = _MatchBeforeProgressComm(BODY.dumps())
     try:
         # One wake-up of the progress thread is one call; the frame must not wait
         # for the next one (a whole nap later).
@@ -75,7 +76,7 @@ def test_one_poll_after_a_nap_delivers_a_frame_that_the_first_probe_misses():
         assert not transport._poll_and_run()
         assert late.calls == 2
     finally:
-        transport.ctrl = own_ctrl
+        receiver.ctrl = own_ctrl
         transport.free()
 
 
@@ -214,7 +215,7 @@ def test_a_quiet_spell_arms_the_bell_once_and_polls_once_more_before_the_first_n
         events.append("poll")
         return found
 
-    backoff = _Backoff(Bell(), lambda: poll(False), 0.004)
+    backoff = Backoff(Bell(), lambda: poll(False), 0.004)
     for _ in range(3):
         assert backoff.sleep(0.0, float("inf")) is False
     backoff.reset()  # traffic came
@@ -222,7 +223,7 @@ def test_a_quiet_spell_arms_the_bell_once_and_polls_once_more_before_the_first_n
     assert events == ["arm", "poll", "nap", "nap", "nap", "disarm"]
     # A frame posted before the arming showed: found by that poll, no nap.
     events.clear()
-    backoff = _Backoff(Bell(), lambda: poll(True), 0.004)
+    backoff = Backoff(Bell(), lambda: poll(True), 0.004)
     assert backoff.sleep(0.0, float("inf")) is True
     assert events == ["arm", "poll"]
 

@@ -17,7 +17,7 @@ import torch
 from _dist_utils import wait_until
 
 from lightning_distgrad import rpc
-from lightning_distgrad.rpc import _agent, _core, _wire
+from lightning_distgrad.rpc import _core, _one_way, _wire
 from lightning_distgrad.rpc._wire import Kind
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -414,8 +414,8 @@ def test_served_one_way_messages_run_on_the_peer_and_errors_stay_there(rpc_world
                                                                        monkeypatch):
     world = rpc_world
     _notified.clear()
-    monkeypatch.setitem(_agent._ONE_WAY, Kind.CONTEXT_RELEASE,
-                        _agent.OneWay(Note, record_note, True, None))
+    monkeypatch.setitem(_one_way.HANDLERS, Kind.CONTEXT_RELEASE,
+                        _one_way.OneWay(Note, record_note, True, None))
     world.barrier()
     agent = _core.require_agent()
     big = make_tensor(BIG, seed=world.rank)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..rpc import _core, _hooks
-from ..rpc._agent import register_one_way
+from ..rpc._one_way import register_one_way
 from ..rpc._wire import Kind
 from . import _engine, _messages
 from ._context import DistAutogradContext

@@ -22,25 +22,27 @@ or response is lost (see ``_shutdown``).
 from __future__ import annotations
 
 import functools
-import heapq
 import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from . import _devices, _hooks
+from ._calls import Deadlines, Pending, UserFuture, future_done
 from ._errors import (
     is_async_function,
+    not_importable,
     rebuild_error,
     remote_error,
     set_error,
     timeout_error,
 )
+from ._one_way import HANDLERS
 from ._transport import Transport
 from ._wire import (
     CALL_KINDS,
@@ -56,8 +58,6 @@ log = logging.getLogger("lightning_distgrad.rpc")
 
 #: Operators whose tensors are all at most this big run as QUICK_REQUESTs.
 QUICK_LIMIT_BYTES = 64 * 1024
-# How often the polling thread looks for expired calls.
-_TIMEOUT_CHECK_S = 0.01
 
 
 class WorkerInfo:
@@ -82,100 +82,14 @@ class WorkerInfo:
         return (WorkerInfo, (self.name, self.id))
 
 
-class OneWay(NamedTuple):
-    """How a one-way kind is received (see :func:`register_one_way`)."""
-
-    body_type: type
-    handler: Callable[[int, Any, list], None]
-    serve: bool
-    waiter_key: Callable[[Any], Any] | None
-
-
-_ONE_WAY: dict[Kind, OneWay] = {}
-
-
-def register_one_way(kind: Kind, body_type: type, handler: Callable[[int, Any, list], None], *,
-                     serve: bool = False, waiter_key: Callable[[Any], Any] | None = None) -> None:
-    """Route frames of ``kind`` to ``handler(source, body, tensors)``.
-
-    ``body_type`` is a NamedTuple; the body travels as a plain tuple and is rebuilt
-    (and its field count checked) on arrival. Not served: applied on arrival, in
-    order, on the polling thread; it must not block. Served: run like a request; one
-    whose ``waiter_key(body)`` a thread waits for (:meth:`Agent.wait_done`) runs on
-    that thread.
-    """
-    _ONE_WAY[kind] = OneWay(body_type, handler, serve, waiter_key)
-
-
-_NOT_IMPORTABLE_HINT = (
-    "Default RPC pickler does not serialize function code. Ensure that UDFs are defined on "
-    "both caller and callee modules: remote functions, and the classes of their arguments, "
-    "must be importable under the same module path on every rank. Define them at module level "
-    "in a module that every rank imports, not under `if rank == 0:` or "
-    "`if __name__ == '__main__':`."
-)
-
-
-def _not_importable(exc: ImportError | AttributeError) -> BaseException:
-    """``exc`` (raised while unpickling a request) with the hint, keeping its type if possible."""
-    try:
-        return type(exc)(f"{exc}. {_NOT_IMPORTABLE_HINT}")
-    except Exception:  # a subclass whose constructor takes other arguments
-        return RuntimeError(f"{type(exc).__name__}: {exc}. {_NOT_IMPORTABLE_HINT}")
-
-
 def _decode_and_call(payload: bytes, tensors: list) -> tuple[Callable, Any]:
     """Run a request's function; returns (function, result)."""
     # Only the unpickling is wrapped: the function's own errors reach the caller as raised.
     try:
         func, args, kwargs = decode_payload(payload, tensors)
     except (ImportError, AttributeError) as e:
-        raise _not_importable(e) from e
+        raise not_importable(e) from e
     return func, func(*args, **kwargs)
-
-
-#: ``Future.done`` without torch's Python wrapper around it: a waiting thread checks it
-#: after every poll.
-_future_done = torch._C.Future.done
-
-
-class _UserFuture(torch.futures.Future):
-    """The future of ``rpc_async``: ``wait()`` polls MPI on the waiting thread, as
-    ``rpc_sync`` does, and completes the future with the response it received.
-
-    The future is completed after the thread stopped polling: its callbacks then
-    run there, and one that waits for an RPC of its own can poll in turn.
-    """
-
-    def __init__(self, transport: Transport):
-        super().__init__()
-        self._transport = transport
-        self.waiter: int | None = None  # ident of a thread polling in wait()
-        self.completion: Callable[[], None] | None = None  # set by the waiter's delivery
-
-    def _answered(self) -> bool:
-        return self.completion is not None or _future_done(self)
-
-    def wait(self) -> Any:
-        if not self.done():
-            self.waiter = threading.get_ident()
-            self._transport.drive_until(self._answered)
-            completion, self.completion = self.completion, None
-            if completion is not None:
-                completion()
-        return super().wait()
-
-
-class _Pending:
-    __slots__ = ("future", "dst", "user_visible", "ctx_id", "deadline", "timeout")
-
-    def __init__(self, future, dst, user_visible, ctx_id, timeout):
-        self.future = future
-        self.dst = dst
-        self.user_visible = user_visible
-        self.ctx_id = ctx_id  # the caller's autograd context: its callbacks run in it
-        self.timeout = timeout
-        self.deadline = time.monotonic() + timeout if timeout > 0 else None
 
 
 class Agent:
@@ -192,10 +106,7 @@ class Agent:
         self.device_maps: list[list[dict]] = [[{} for _ in infos] for _ in infos]
         self._on_arrival = on_arrival
         self._ids = itertools.count()
-        self._pending: dict[int, _Pending] = {}
-        self._deadlines: list[tuple[float, int]] = []
-        self._deadline_lock = threading.Lock()
-        self._timeout_check_armed = False
+        self._pending: dict[int, Pending] = {}
         self._processed = 0  # frames whose handling ended (see counts)
         self._count_lock = threading.Lock()
         # Threads waiting in wait_done for served one-way frames, by key.
@@ -212,6 +123,7 @@ class Agent:
         transfer_timeout = timeout if timeout > 0 else 600.0
         self.transport = Transport(comm, self._on_frame, self._on_malformed, limits=limits,
                                    transfer_timeout=transfer_timeout)
+        self._deadlines = Deadlines(self.transport, self._pending, self._expire_call)
         # Not started here: see :meth:`start`.
 
     def start(self) -> None:
@@ -234,13 +146,13 @@ class Agent:
         devices = self._devices(tensors, dst.id)
         meta = _hooks.get().outgoing(dst.id, tensors, force_autograd)
         pctx.commit()
-        future = _UserFuture(self.transport) if user_visible else torch.futures.Future()
+        future = UserFuture(self.transport) if user_visible else torch.futures.Future()
         call_id = next(self._ids)
         ctx_id = _hooks.get().current_context() if user_visible else None
-        pending = _Pending(future, dst, user_visible, ctx_id, timeout)
+        pending = Pending(future, dst, user_visible, ctx_id, timeout)
         self._pending[call_id] = pending
         if pending.deadline is not None:
-            self._watch_deadline(pending.deadline, call_id)
+            self._deadlines.watch(pending.deadline, call_id)
         forks = tuple(pctx.arrival_forks)
         if arrival_forks:
             forks += tuple(arrival_forks)
@@ -297,34 +209,10 @@ class Agent:
         with self._count_lock:
             return [sent, self._processed]
 
-    # -- timeouts ---------------------------------------------------------------
-
-    def _watch_deadline(self, deadline: float, call_id: int) -> None:
-        with self._deadline_lock:
-            heapq.heappush(self._deadlines, (deadline, call_id))
-            if self._timeout_check_armed:
-                return
-            self._timeout_check_armed = True
-        self.transport.call_later(_TIMEOUT_CHECK_S, self._expire_calls)
-
-    def _expire_calls(self) -> None:
-        now = time.monotonic()
-        expired = []
-        with self._deadline_lock:
-            while self._deadlines and self._deadlines[0][0] <= now:
-                expired.append(heapq.heappop(self._deadlines)[1])
-            # Answered calls need no watching: bound the heap by the pending calls.
-            pending = self._pending
-            if len(self._deadlines) > 2 * len(pending) + 64:
-                self._deadlines = [d for d in self._deadlines if d[1] in pending]
-                heapq.heapify(self._deadlines)
-            rearm = self._timeout_check_armed = bool(self._deadlines)
-        for call_id in expired:
-            pending = self._pending.pop(call_id, None)
-            if pending is not None:
-                self._complete(pending, False, timeout_error(pending.timeout, pending.dst))
-        if rearm:
-            self.transport.call_later(_TIMEOUT_CHECK_S, self._expire_calls)
+    def _expire_call(self, call_id: int) -> None:
+        pending = self._pending.pop(call_id, None)
+        if pending is not None:
+            self._complete(pending, False, timeout_error(pending.timeout, pending.dst))
 
     # -- receiving (the polling thread) ---------------------------------------------
 
@@ -350,7 +238,7 @@ class Agent:
             self._on_one_way(source, frame, tensors)
 
     def _on_one_way(self, source: int, frame: Frame, tensors: list) -> None:
-        spec = _ONE_WAY.get(frame.kind)
+        spec = HANDLERS.get(frame.kind)
         try:
             if spec is None:
                 raise MalformedFrame(f"no handler for frame kind {frame.kind.name}")
@@ -445,7 +333,7 @@ class Agent:
             ok, value = False, e.with_traceback(None)
         self._complete(pending, ok, value)
 
-    def _complete(self, pending: _Pending, ok: bool, value: Any) -> None:
+    def _complete(self, pending: Pending, ok: bool, value: Any) -> None:
         future = pending.future
         setter = future.set_result if ok else functools.partial(set_error, future)
         if not pending.user_visible:
@@ -548,7 +436,7 @@ class Agent:
     def wait(self, future: torch.futures.Future) -> Any:
         """Wait for ``future``, polling MPI on this thread meanwhile."""
         if not future.done():
-            self.transport.drive_until(functools.partial(_future_done, future))
+            self.transport.drive_until(functools.partial(future_done, future))
         return future.wait()
 
     def wait_done(self, future: torch.futures.Future, timeout: float, key: Any = None) -> bool:

@@ -1,24 +1,19 @@
-"""Doorbells: wake a napping progress thread on the same node when a frame comes.
+"""Doorbells: wake a napping poller on the same node when a frame comes.
 
-An idle progress thread naps between polls, so that it costs no CPU, and MPI
-cannot wake it (MPICH only moves messages inside MPI calls, and a blocking
-MPI wait spins a core). A frame that arrived during a nap used to wait for the
-nap's end: up to 1-4 ms per hop after a quiet spell. Each agent therefore owns
-a Unix datagram socket; it naps in ``select`` on it, and a sender on the same
-node rings it (one byte, non-blocking) after posting a frame. The bell is only
-a hint: a lost or refused ring (a full queue, a peer gone) costs at most the
+An idle poller naps between polls so that it costs no CPU; MPI cannot wake it
+(MPICH moves messages only inside MPI calls, and a blocking MPI wait spins a
+core). Each agent therefore owns a Unix datagram socket and naps in ``select``
+on it; a sender on the same node rings it (one byte, non-blocking) after
+posting a frame. A ring is only a hint: a lost or refused one costs at most the
 nap it would have cut short, and peers on other nodes are never rung.
 
-Only a napping agent is rung. A ring costs a system call, and a refused one
-(the queue of an agent that polls without napping fills after ten) an
-exception on top: 4 us per frame here, each way of a round trip. So the
-agents of a node share a *nap board*, one byte per agent in shared memory, set
-while that agent naps; a sender reads its peer's byte and rings only if it is
-set. The napper sets its byte (:meth:`Doorbell.arm`), then polls once more
-before it sleeps: a frame posted before the byte was visible is found by that
-poll, one posted after it is rung. The byte stays set across the polls between
-naps, until traffic comes. The node's first agent creates the board and the others
-check its token; unless every agent of the node has it, every frame rings.
+Only a napping agent is rung. The agents of a node share a *nap board*, one
+byte per agent in shared memory, set while that agent naps (:meth:`Doorbell.arm`);
+a sender rings only if its peer's byte is set. The napper sets its byte, then
+polls once more before it sleeps: a frame posted before the byte was visible is
+found by that poll, one posted after it is rung. The node's first agent creates
+the board and the others check its token; unless every agent of the node has
+it, every frame rings.
 """
 
 from __future__ import annotations
@@ -29,6 +24,15 @@ import os
 import select
 import socket
 import threading
+from collections.abc import Callable
+
+from mpi4py import MPI
+
+#: Naps double from NAP_MIN_S to NAP_MAX_S; after QUIET_S without traffic, up to the
+#: caller's quiet cap.
+NAP_MIN_S = 1.5e-5
+NAP_MAX_S = 0.001
+QUIET_S = 0.1
 
 #: Where nap boards live (tmpfs: shared memory that no disk ever sees).
 BOARD_DIR = "/dev/shm"
@@ -137,7 +141,7 @@ class Doorbell:
         """Peers ring this agent from now on (one of its threads is about to nap).
 
         Poll once after arming: a frame posted before peers could see it is not
-        rung. Stay armed across the polls between naps (see ``_Backoff``).
+        rung. Stay armed across the polls between naps (see :class:`Backoff`).
         """
         self._set_armed(+1)
 
@@ -201,3 +205,60 @@ def _open_board(path: str, token: str, agents: int, create: bool) -> mmap.mmap |
         board.close()
         return None
     return board
+
+
+class Backoff:
+    """Doubling naps, reset by traffic; the bell is armed from the first nap of a quiet
+    spell until :meth:`reset`.
+
+    Peers ring only an armed bell, so one poll right after arming finds a frame
+    that was posted before peers could see the arming.
+    """
+
+    def __init__(self, bell: Doorbell | LocalBell, poll: Callable[[], bool], quiet_cap: float):
+        self._bell = bell
+        self._poll = poll
+        self._quiet_cap = quiet_cap
+        self._delay = NAP_MIN_S
+        self._armed = False
+
+    def reset(self) -> None:
+        self._delay = NAP_MIN_S
+        if self._armed:
+            self._armed = False
+            self._bell.disarm()
+
+    def sleep(self, idle_for: float, limit: float) -> bool:
+        """Nap at most ``limit`` s; True, without a nap, if the poll on arming found traffic."""
+        if not self._armed:
+            self._armed = True
+            self._bell.arm()
+            if self._poll():
+                return True
+        self._bell.wait(min(self._delay, limit))
+        cap = self._quiet_cap if idle_for > QUIET_S else NAP_MAX_S
+        self._delay = min(cap, self._delay * 2)
+        return False
+
+
+def node_doorbell(comm: MPI.Comm, rank: int) -> tuple[Doorbell | LocalBell, bool, bool]:
+    """This rank's doorbell; whether every peer can ring it; whether the node has
+    more ranks than this rank has cores. A collective over ``comm``."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        oversubscribed = node.Get_size() > len(os.sched_getaffinity(0))
+        token = node.bcast(os.urandom(8).hex() if node.Get_rank() == 0 else None)
+        node_ranks = node.allgather(rank)
+        first = node.Get_rank() == 0  # its bell creates the nap board, the others open it
+        bell = Doorbell.create(token, rank, node_ranks) if first else None
+        node.Barrier()
+        if not first:
+            bell = Doorbell.create(token, rank, node_ranks)
+        # A peer that never napped on the board was never rung: ring all unless all have it.
+        if not node.allreduce(bell.has_board(), op=MPI.LAND):
+            bell.drop_board()
+        bell.forget_board()  # every agent of the node has opened it
+        all_ring = isinstance(bell, Doorbell) and node.Get_size() == comm.Get_size()
+        return bell, all_ring, oversubscribed
+    finally:
+        node.Free()

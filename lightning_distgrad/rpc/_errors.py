@@ -70,3 +70,20 @@ def set_error(future: torch.futures.Future, exc: BaseException) -> None:
     """
     future._set_unwrap_func(_raise_copy)
     future.set_result(exc)
+
+
+_NOT_IMPORTABLE_HINT = (
+    "Default RPC pickler does not serialize function code. Ensure that UDFs are defined on "
+    "both caller and callee modules: remote functions, and the classes of their arguments, "
+    "must be importable under the same module path on every rank. Define them at module level "
+    "in a module that every rank imports, not under `if rank == 0:` or "
+    "`if __name__ == '__main__':`."
+)
+
+
+def not_importable(exc: ImportError | AttributeError) -> BaseException:
+    """``exc`` (raised while unpickling a request) with the hint, keeping its type if possible."""
+    try:
+        return type(exc)(f"{exc}. {_NOT_IMPORTABLE_HINT}")
+    except Exception:  # a subclass whose constructor takes other arguments
+        return RuntimeError(f"{type(exc).__name__}: {exc}. {_NOT_IMPORTABLE_HINT}")

@@ -41,14 +41,13 @@ import torch
 from mpi4py import MPI
 
 from ._abort import abort_mpi_job
-from ._doorbell import Doorbell, LocalBell
+from ._doorbell import NAP_MAX_S, NAP_MIN_S, Backoff, node_doorbell
+from ._receiving import Receiver
 from ._wire import (
     Frame,
     FrameLimits,
     MalformedFrame,
-    ReceiveBufferPool,
-    allocate_tensor,
-    decode_frame,
+    chunks,
     prepare_tensor,
     tensor_bytes_view,
     to_target_device,
@@ -56,18 +55,13 @@ from ._wire import (
 
 log = logging.getLogger("lightning_distgrad.rpc")
 
-# Tensor bytes go in chunks of at most 1 GiB: portable beyond MPI-4 large counts.
-CHUNK_BYTES = 1 << 30
 # After traffic, poll without napping this long (only where every rank has a core).
 HOT_S = 0.002
 # A transfer in flight keeps the poller hot this long after the last completion
 # (MPICH moves big messages only inside MPI calls); past it, naps resume.
 TRANSFER_HOT_S = 1.0
-# Naps double from NAP_MIN_S to NAP_MAX_S; after QUIET_S without traffic, up to
-# the quiet cap (longer where every peer can ring: a nap then costs no latency).
-NAP_MIN_S = 1.5e-5
-NAP_MAX_S = 0.001
-QUIET_S = 0.1
+# An idle poller's longest nap, after a quiet spell (longer where every peer can ring:
+# a nap then costs no latency).
 QUIET_NAP_S = 0.004
 QUIET_NAP_ALL_RING_S = 0.02
 
@@ -103,54 +97,6 @@ def _default_modes() -> Iterator[None]:
         yield
 
 
-class _Backoff:
-    """Doubling naps, reset by traffic; the bell is armed from the first nap of a quiet
-    spell until :meth:`reset`.
-
-    Peers ring only an armed bell, so one poll right after arming finds a frame
-    that was posted before peers could see the arming.
-    """
-
-    def __init__(self, bell: Doorbell | LocalBell, poll: Callable[[], bool], quiet_cap: float):
-        self._bell = bell
-        self._poll = poll
-        self._quiet_cap = quiet_cap
-        self._delay = NAP_MIN_S
-        self._armed = False
-
-    def reset(self) -> None:
-        self._delay = NAP_MIN_S
-        if self._armed:
-            self._armed = False
-            self._bell.disarm()
-
-    def sleep(self, idle_for: float, limit: float) -> bool:
-        """Nap at most ``limit`` s; True, without a nap, if the poll on arming found traffic."""
-        if not self._armed:
-            self._armed = True
-            self._bell.arm()
-            if self._poll():
-                return True
-        self._bell.wait(min(self._delay, limit))
-        cap = self._quiet_cap if idle_for > QUIET_S else NAP_MAX_S
-        self._delay = min(cap, self._delay * 2)
-        return False
-
-
-class _Incoming:
-    """A frame whose tensor bytes are still arriving."""
-
-    __slots__ = ("source", "frame", "tensors", "requests", "sizes", "deadline")
-
-    def __init__(self, source, frame, tensors, requests, sizes, deadline):
-        self.source = source
-        self.frame = frame
-        self.tensors = tensors
-        self.requests = requests
-        self.sizes = sizes  # bytes expected by each request
-        self.deadline = deadline
-
-
 class Transport:
     """Moves frames and tensors between ranks of ``comm``.
 
@@ -175,16 +121,13 @@ class Transport:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._tag_mod = min((self.ctrl.Get_attr(MPI.TAG_UB) or 32767) + 1, 1 << 20)
-        self._bell, all_ring, oversubscribed = _node_doorbell(comm, self.rank)
+        self._bell, all_ring, oversubscribed = node_doorbell(comm, self.rank)
         # Spinning only pays where every rank of the node has a core of its own.
         self.spin = not oversubscribed
         self._quiet_nap = QUIET_NAP_ALL_RING_S if all_ring else QUIET_NAP_S
         self._on_frame = on_frame
         self._on_malformed = on_malformed
-        self._limits = limits
-        self._transfer_timeout = transfer_timeout
-        self._buffers = ReceiveBufferPool()
-        self._status = MPI.Status()
+        self._receiver = Receiver(self.ctrl, self.data, limits, transfer_timeout)
         # Everything below is guarded by _lock.
         self._lock = threading.Lock()
         self._state = State.RUNNING
@@ -198,7 +141,6 @@ class Transport:
         self._send_seq = [0] * self.size
         self._frames_sent = 0
         self._sends: list[tuple[list[MPI.Request], object]] = []
-        self._incoming: list[_Incoming] = []
         self._ready: collections.deque = collections.deque()  # frames and deferred calls
         self._deliverer: int | None = None  # ident of the thread handling _ready's items
         # Calls queued without the lock (call_soon); a deque's append is atomic.
@@ -207,8 +149,6 @@ class Transport:
         self._timer_seq = 0
         self._last_traffic = time.monotonic()
         self._stop_deadline = float("inf")
-        # Receives cancelled at their deadline, until MPI confirms the cancellation.
-        self._cancelled: list[MPI.Request] = []
         self._thread = threading.Thread(target=self._progress_thread, daemon=True,
                                         name="distgrad-progress")
 
@@ -242,7 +182,7 @@ class Transport:
             self._frames_sent += 1
             requests = [self.ctrl.Isend([raw, MPI.BYTE], dst, tag)]
             for t in buffers:
-                for chunk in _chunks(tensor_bytes_view(t)):
+                for chunk in chunks(tensor_bytes_view(t)):
                     requests.append(self.data.Isend([chunk, MPI.BYTE], dst, tag))
             self._sends.append((requests, (raw, buffers)))
         if dst == self.rank:
@@ -360,7 +300,7 @@ class Transport:
                           f"{self.rank}; aborting the MPI job.\n")
 
     def _poll_loop(self) -> None:
-        backoff = _Backoff(self._bell, self._poll_and_run, self._quiet_nap)
+        backoff = Backoff(self._bell, self._poll_and_run, self._quiet_nap)
         while True:
             with self._lock:
                 if self._state is State.STOPPING and (
@@ -380,7 +320,7 @@ class Transport:
         backoff.reset()
 
     def _drive(self, done: Callable[[], bool]) -> None:
-        backoff = None if self.spin else _Backoff(self._bell, self._poll_and_run, NAP_MAX_S)
+        backoff = None if self.spin else Backoff(self._bell, self._poll_and_run, NAP_MAX_S)
         work = self._waiter_work
         try:
             while not done():
@@ -412,9 +352,9 @@ class Transport:
             if not self._armed_for_hand_back:
                 self._armed_for_hand_back = True
                 self._bell.arm()
-            pending = bool(self._sends or self._incoming or self._ready or self._soon
+            pending = bool(self._sends or self._receiver.incoming or self._ready or self._soon
                            or (self._timers and self._timers[0][0] <= time.monotonic())
-                           or self._frame_waiting())
+                           or self._receiver.frame_waiting())
         if pending:
             self._bell.ring_self()
         return left
@@ -425,12 +365,7 @@ class Transport:
             self._armed_for_hand_back = False
             self._bell.disarm()
 
-    def _frame_waiting(self) -> bool:
-        # Twice: MPICH matches before it makes progress (see _poll_frames).
-        return bool(self.ctrl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
-                    or self.ctrl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG))
-
-    def _poll_step(self, backoff: _Backoff) -> None:
+    def _poll_step(self, backoff: Backoff) -> None:
         """One step of the progress thread: poll, then spin or nap if nothing came."""
         if self._poll_and_run():
             backoff.reset()
@@ -439,7 +374,7 @@ class Transport:
         with self._lock:
             idle_for = now - self._last_traffic
             hot = self.spin and not self._handlers_running and (
-                idle_for < HOT_S or (self._incoming and idle_for < TRANSFER_HOT_S)
+                idle_for < HOT_S or (self._receiver.incoming and idle_for < TRANSFER_HOT_S)
                 or (self._sends and idle_for < TRANSFER_HOT_S))
             limit = self._until_next_timer_locked(now)
         if hot:
@@ -506,114 +441,12 @@ class Transport:
     # -- under the lock ----------------------------------------------------------
 
     def _post_and_poll(self) -> bool:
-        progressed = self._poll_frames()
-        progressed |= self._test_requests()
-        if self._cancelled:
-            self._cancelled = [r for r in self._cancelled if not _settled(r)]
-        return progressed
-
-    def _poll_frames(self) -> bool:
-        status = self._status
-        progressed = False
-        probed_again = False
-        while True:
-            message = self.ctrl.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-            if message is None:
-                if progressed or probed_again:
-                    return progressed
-                # MPICH's Improbe looks for a match before it makes progress, not
-                # after: a frame that arrived during a nap shows only at the next call.
-                probed_again = True
-                continue
-            progressed = True
-            source, tag = status.Get_source(), status.Get_tag()
-            raw = bytearray(status.Get_count(MPI.BYTE))
-            message.Recv([raw, MPI.BYTE])
-            try:
-                self._receive(source, tag, raw)
-            except MalformedFrame as e:
-                e.source = source
-                self._ready.append(e)
-
-    def _receive(self, source: int, tag: int, raw: bytearray) -> None:
-        if len(raw) > self._limits.max_message_bytes:
-            raise MalformedFrame(f"a frame of {len(raw)} bytes is above max_message_bytes")
-        frame = decode_frame(raw, self._limits)
-        tensors = []
-        requests = []
-        sizes = []
-        try:
-            for meta in frame.metas:
-                t = allocate_tensor(meta, self._buffers)
-                tensors.append(t)
-                if meta[3] is None:  # not inline: the bytes follow on ``data``
-                    for chunk in _chunks(tensor_bytes_view(t)):
-                        requests.append(self.data.Irecv([chunk, MPI.BYTE], source, tag))
-                        sizes.append(chunk.size)
-        except MemoryError:
-            self._abandon(requests)
-            raise MalformedFrame("no memory for its tensors", frame) from None
-        # Frames from one source are handed over in the order they came: one whose
-        # bytes are still arriving holds back the later ones.
-        if requests or any(item.source == source for item in self._incoming):
-            self._incoming.append(_Incoming(source, frame, tensors, requests, sizes,
-                                            time.monotonic() + self._transfer_timeout))
-        else:
-            self._ready.append((source, frame, tensors))
-
-    def _test_requests(self) -> bool:
-        progressed = False
+        progressed = self._receiver.poll(self._ready)
         if self._sends:
             pending = [s for s in self._sends if not MPI.Request.Testall(s[0])]
-            progressed = len(pending) != len(self._sends)
+            progressed |= len(pending) != len(self._sends)
             self._sends = pending
-        if self._incoming:
-            now = time.monotonic()
-            still = []
-            waiting: set[int] = set()  # sources with an earlier frame still arriving
-            for item in self._incoming:
-                problem = None if item.source in waiting else self._transfer_problem(item, now)
-                if problem is None:
-                    waiting.add(item.source)
-                    still.append(item)
-                    continue
-                progressed = True
-                if problem is _COMPLETE:
-                    self._ready.append((item.source, item.frame, item.tensors))
-                else:
-                    error = MalformedFrame(problem, item.frame)
-                    error.source = item.source
-                    self._ready.append(error)
-            self._incoming = still
         return progressed
-
-    def _transfer_problem(self, item: _Incoming, now: float) -> object | None:
-        """None while the bytes arrive; _COMPLETE once all did; else what went wrong
-        (the transfer is then abandoned and its buffers freed)."""
-        statuses = [MPI.Status() for _ in item.requests]
-        try:
-            if not MPI.Request.Testall(item.requests, statuses):
-                if now < item.deadline:
-                    return None
-                self._abandon(item.requests)
-                return (f"its tensor bytes did not arrive within {self._transfer_timeout:g} s; "
-                        "the transfer was abandoned")
-        except MPI.Exception as e:
-            self._abandon(item.requests)
-            return f"its tensor bytes could not be received ({e.Get_error_string()})"
-        received = [s.Get_count(MPI.BYTE) for s in statuses]
-        if received != item.sizes:
-            return f"it declared {sum(item.sizes)} tensor bytes but {sum(received)} arrived"
-        return _COMPLETE
-
-    def _abandon(self, requests: list[MPI.Request]) -> None:
-        """Cancel receives; they are tested until MPI confirms (never waited for)."""
-        for request in requests:
-            if request != MPI.REQUEST_NULL:
-                with contextlib.suppress(MPI.Exception):
-                    request.Cancel()
-                if not _settled(request):
-                    self._cancelled.append(request)
 
     def _until_next_timer(self) -> float:
         with self._lock:
@@ -623,39 +456,4 @@ class Transport:
         return max(0.0, self._timers[0][0] - now) if self._timers else float("inf")
 
 
-_COMPLETE = object()
 
-
-def _settled(request: MPI.Request) -> bool:
-    try:
-        return request.Test()
-    except MPI.Exception:
-        return True
-
-
-def _chunks(view: np.ndarray) -> Iterator[np.ndarray]:
-    for start in range(0, view.size, CHUNK_BYTES):
-        yield view[start:start + CHUNK_BYTES]
-
-
-def _node_doorbell(comm: MPI.Comm, rank: int) -> tuple[Doorbell | LocalBell, bool, bool]:
-    """This rank's doorbell; whether every peer can ring it; whether the node has
-    more ranks than this rank has cores. A collective over ``comm``."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        oversubscribed = node.Get_size() > len(os.sched_getaffinity(0))
-        token = node.bcast(os.urandom(8).hex() if node.Get_rank() == 0 else None)
-        node_ranks = node.allgather(rank)
-        first = node.Get_rank() == 0  # its bell creates the nap board, the others open it
-        bell = Doorbell.create(token, rank, node_ranks) if first else None
-        node.Barrier()
-        if not first:
-            bell = Doorbell.create(token, rank, node_ranks)
-        # A peer that never napped on the board was never rung: ring all unless all have it.
-        if not node.allreduce(bell.has_board(), op=MPI.LAND):
-            bell.drop_board()
-        bell.forget_board()  # every agent of the node has opened it
-        all_ring = isinstance(bell, Doorbell) and node.Get_size() == comm.Get_size()
-        return bell, all_ring, oversubscribed
-    finally:
-        node.Free()

@@ -18,6 +18,7 @@ import pickle
 import sys
 import threading
 import types
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -34,8 +35,7 @@ POOL_MIN_BYTES = 1 << 20
 #: At most this many bytes of pooled receive buffers, in use or free.
 POOL_MAX_BYTES = 512 << 20
 #: Pooled receive buffers start on a page boundary: MPICH's single-copy (CMA)
-#: path filled numpy's default buffers (16 bytes past a page boundary) up to 4x
-#: slower than aligned ones when the sender's tensor was page-aligned.
+#: path fills misaligned buffers several times slower.
 BUFFER_ALIGN = 4096
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
@@ -46,11 +46,9 @@ class _PicklingLocal(threading.local):
 
 _local = _PicklingLocal()
 
-# A torch operator pickles as ``getattr(torch._C._VariableFunctionsClass, "add")``:
-# 7 us per message here, as much as the rest of a small request. Builtin
-# functions that are plain references (bound to no object, or to a module or a
-# class) are pickled once and travel as those bytes, a persistent id; the
-# receiver unpickles each such reference once.
+# Builtin functions that are plain references (bound to no object, or to a module
+# or a class: torch operators) are pickled once per process and travel as those
+# bytes, a persistent id; the receiver unpickles each such reference once.
 _function_bytes: dict[Any, bytes] = {}
 _functions: dict[bytes, Any] = {}
 
@@ -308,13 +306,23 @@ def decode_payload(data: bytes, tensors: list[torch.Tensor]) -> Any:
 # Tensor bytes
 
 
-# dtypes travel as their index here: pickling ``torch.float32`` by reference costs
-# 2.4 us per tensor, the index nothing. The same torch on every rank gives the same list.
+# dtypes travel as their index in this list (cheaper than pickling a reference);
+# ``init_rpc`` checks that every rank has the same list.
 _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _ITEMSIZES = tuple(dtype.itemsize for dtype in _DTYPES)
 #: What ranks must agree on to read each other's frames (``init_rpc`` checks it).
 DTYPE_TABLE = tuple(str(dtype) for dtype in _DTYPES)
+
+
+#: Tensor bytes go in chunks of at most 1 GiB: portable beyond MPI-4 large counts.
+CHUNK_BYTES = 1 << 30
+
+
+def chunks(view: np.ndarray) -> Iterator[np.ndarray]:
+    """``view`` in pieces of at most :data:`CHUNK_BYTES` (one MPI message each)."""
+    for start in range(0, view.size, CHUNK_BYTES):
+        yield view[start:start + CHUNK_BYTES]
 
 
 def tensor_bytes_view(t: torch.Tensor) -> np.ndarray:
@@ -355,8 +363,8 @@ def to_target_device(t: torch.Tensor, meta: tuple) -> torch.Tensor:
 class ReceiveBufferPool:
     """Reuses big receive buffers once no tensor uses them any more.
 
-    A fresh 64 MiB buffer costs ~14 ms of page faults here (as much as moving
-    its bytes); a reused one costs nothing. A buffer is a numpy array that
+    A fresh big buffer costs page faults on first touch, as much as moving its
+    bytes; a reused one costs nothing. A buffer is a numpy array that
     every tensor made from it keeps alive, so it is free again exactly when its
     reference count drops back to the pool's own references. Bounded by
     ``max_bytes``; beyond it buffers are not pooled. Not thread-safe: the

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from . import _core, _hooks, _shutdown, _wire
+from . import _core, _hooks, _rref_context, _shutdown, _wire
 from . import rref as _rref
 from ._abort import abort_mpi_job
 from ._agent import Agent, WorkerInfo
@@ -96,7 +96,7 @@ def init_rpc(name: str | None = None, backend: BackendType | None = None, rank: 
             if dst_name not in rank_of:
                 raise ValueError(f"rank {src} set a device map for unknown worker {dst_name!r}")
     _hooks.get().on_init(my_rank)
-    context = _rref.init_context(my_rank)
+    context = _rref_context.init_context(my_rank)
     limits = _wire.FrameLimits(options.max_message_bytes, _wire.local_devices())
     agent = Agent(comm, infos, my_rank, options.rpc_timeout, options.num_worker_threads,
                   on_arrival=lambda src, frame: context.add_arrival_forks(frame.forks),
@@ -190,7 +190,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             # that calls it at once (a tutorial's trainer) still serves work that uses
             # them.
             _shutdown.graceful(agent, timeout,
-                               lambda: _rref._require_context().delete_all_users(agent))
+                               lambda: _rref_context._require_context().delete_all_users(agent))
             finished = True
     finally:
         _core.set_agent(None)
@@ -298,7 +298,7 @@ def _get_current_rpc_agent() -> Agent:
 
 
 def _rref_context_get_debug_info() -> dict[str, int]:
-    return _rref._require_context().debug_info()
+    return _rref_context._require_context().debug_info()
 
 
 def _get_debug_info() -> dict[str, int]:

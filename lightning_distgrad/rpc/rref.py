@@ -26,194 +26,21 @@ finds that entry and sets the value the request waits for.
 from __future__ import annotations
 
 import functools
-import itertools
-import threading
-import weakref
 from collections.abc import Callable
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from . import _core, _hooks
-from ._agent import WorkerInfo, register_one_way
-from ._errors import is_async_function, set_error
+from ._agent import WorkerInfo
+from ._errors import is_async_function, set_error, timeout_error
+from ._rref_context import ForkChange, _guid_str, _OwnerEntry, _require_context, _UserState
 from ._wire import Kind, current_pickling_context
 from .functions import async_execution
 
 __all__ = ["RRef"]
 
 T = TypeVar("T")
-
-
-def _guid_str(guid: tuple[int, int]) -> str:
-    return f"GloballyUniqueId(created_on={guid[0]}, local_id={guid[1]})"
-
-
-class _OwnerEntry:
-    """The owner's record of one value: its future and its live forks."""
-
-    __slots__ = ("rref_id", "future", "forks", "__weakref__")
-
-    def __init__(self, rref_id: tuple[int, int]):
-        self.rref_id = rref_id
-        self.future: torch.futures.Future = torch.futures.Future()
-        self.forks: set[tuple[int, int]] = set()
-
-
-class _UserState:
-    """What a user reference knows about its remote value."""
-
-    __slots__ = ("owner", "rref_id", "fork_id", "creation", "confirmed", "deleted", "type")
-
-    def __init__(self, owner: WorkerInfo, rref_id, fork_id, confirmed: bool,
-                 creation: torch.futures.Future | None = None):
-        self.owner = owner
-        self.rref_id = rref_id
-        self.fork_id = fork_id
-        self.creation = creation
-        self.confirmed = confirmed
-        self.deleted = False
-        self.type = None
-
-
-class RRefContext:
-    """Per-process RRef bookkeeping: owned values, their forks, live users."""
-
-    def __init__(self, worker_id: int):
-        self.worker_id = worker_id
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
-        self.owners: dict[tuple, _OwnerEntry] = {}  # values that have live forks
-        self._local: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        # Entries whose value requests wait for (its creation included), until it is set.
-        self._awaited: dict[tuple, _OwnerEntry] = {}
-        self._early_deletes: set[tuple] = set()
-        self._users: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-    def new_guid(self) -> tuple[int, int]:
-        return (self.worker_id, next(self._ids))
-
-    def new_entry(self, rref_id=None) -> _OwnerEntry:
-        entry = _OwnerEntry(rref_id or self.new_guid())
-        self._local[entry.rref_id] = entry
-        return entry
-
-    def entry(self, rref_id) -> _OwnerEntry:
-        """The owner entry for ``rref_id``, for a request that waits for its value.
-
-        Created (pending) if unknown yet. Until :meth:`value_set`, a pending entry is
-        held here: the creation finds its entry by id, and may come after every
-        other reference to the entry is gone (or before any exists).
-        """
-        with self._lock:
-            entry = self.owners.get(rref_id) or self._local.get(rref_id)
-            if entry is None:
-                entry = _OwnerEntry(rref_id)
-                self._local[rref_id] = entry
-            if not entry.future.done():
-                self._awaited[rref_id] = entry
-            return entry
-
-    def value_set(self, entry: _OwnerEntry) -> None:
-        """Call once ``entry.future`` is done: no waiting request needs it held."""
-        with self._lock:
-            self._awaited.pop(entry.rref_id, None)
-
-    def add_fork(self, rref_id, fork_id) -> None:
-        key = (rref_id, fork_id)
-        with self._lock:
-            if key in self._early_deletes:
-                self._early_deletes.discard(key)
-                return
-            entry = self.owners.get(rref_id) or self._local.get(rref_id)
-            if entry is None:
-                entry = _OwnerEntry(rref_id)
-                self._local[rref_id] = entry
-            entry.forks.add(fork_id)
-            self.owners[rref_id] = entry
-
-    def del_fork(self, rref_id, fork_id) -> None:
-        with self._lock:
-            entry = self.owners.get(rref_id)
-            if entry is None or fork_id not in entry.forks:
-                self._early_deletes.add((rref_id, fork_id))
-                return
-            entry.forks.discard(fork_id)
-            if not entry.forks:
-                del self.owners[rref_id]
-        del entry  # the value may be freed here, outside the lock
-
-    def consume_fork(self, rref_id, fork_id) -> _OwnerEntry:
-        """Turn a fork that came back to its owner into the owner's own reference."""
-        with self._lock:
-            entry = self.owners.get(rref_id)
-            if entry is None or fork_id not in entry.forks:
-                raise RuntimeError(
-                    f"RRef {_guid_str(rref_id)} with fork {_guid_str(fork_id)} is unknown on its "
-                    "owner: it was deleted before it arrived")
-            entry.forks.discard(fork_id)
-            if not entry.forks:
-                del self.owners[rref_id]
-            return entry
-
-    def track_user(self, rref: RRef) -> None:
-        self._users[rref._user.fork_id] = rref
-
-    def delete_all_users(self, agent) -> None:
-        """Graceful shutdown: tell owners that every user reference here is gone."""
-        for rref in list(self._users.values()):
-            rref._delete(agent)
-
-    def debug_info(self) -> dict[str, int]:
-        with self._lock:
-            entries = list(self.owners.values())
-            entries += [e for k, e in self._awaited.items() if k not in self.owners]
-        users = list(self._users.values())
-        return {
-            "num_owner_rrefs": len(entries),
-            "num_pending_futures": sum(not e.future.done() for e in entries),
-            "num_pending_users": sum(not r._user.confirmed for r in users),
-            "num_forks": sum(len(e.forks) for e in entries),
-        }
-
-    def add_arrival_forks(self, forks: tuple) -> None:
-        """Register the forks a frame carries, before it or any later frame runs."""
-        for rref_id, fork_id in forks:
-            self.add_fork(rref_id, fork_id)
-
-
-class ForkChange(NamedTuple):
-    """RREF_FORK body: a user fork of one of this worker's RRefs was added or deleted."""
-
-    rref_id: tuple
-    fork_id: tuple
-    added: bool
-
-
-def _on_fork_change(source: int, body: ForkChange, tensors: list) -> None:
-    context = _require_context()
-    if body.added:
-        context.add_fork(body.rref_id, body.fork_id)
-    else:
-        context.del_fork(body.rref_id, body.fork_id)
-
-
-register_one_way(Kind.RREF_FORK, ForkChange, _on_fork_change)
-
-
-_context: RRefContext | None = None
-
-
-def init_context(worker_id: int) -> RRefContext:
-    global _context
-    _context = RRefContext(worker_id)
-    return _context
-
-
-def _require_context() -> RRefContext:
-    _core.require_agent()
-    assert _context is not None
-    return _context
 
 
 # ---------------------------------------------------------------------------
@@ -231,10 +58,10 @@ def _create_owner_value(rref_id, func: Callable, args: tuple, kwargs: dict) -> t
             entry.future.set_result(value)
             done.set_result(None)
         else:
-            # Fix (leak): set_error, and drop the traceback entry of the frame
-            # that caught the error (this function or on_done): that frame
-            # references entry and done, so storing it in them made a cycle
-            # through C++ that gc cannot free. The function's own frames stay.
+            # The stored error must not reference entry or done: drop the traceback
+            # entry of the frame that caught it (this function or on_done), which
+            # does; a cycle through C++ futures is never collected. The function's
+            # own frames stay.
             tb = error.__traceback__
             error = error.with_traceback(tb.tb_next if tb is not None else None)
             set_error(entry.future, error)
@@ -425,16 +252,23 @@ class RRef(Generic[T]):
         if self._user.deleted:
             raise RuntimeError(
                 f"{self} has been deleted. Cannot call to_here() on it after deletion.")
-        self._raise_if_creation_timed_out()
+        # The creation's answer first: a creation that failed before it ran (its
+        # request could not be read on the owner) leaves nothing there to fetch.
+        self._raise_if_creation_failed(timeout)
         value = _core.wait(_core.invoke(self._user.owner, _rref_fetch, (self._user.rref_id,),
                                         None, timeout, user_visible=False))
         self._user.confirmed = True
         return value
 
-    def _raise_if_creation_timed_out(self) -> None:
+    def _raise_if_creation_failed(self, timeout: float) -> None:
         creation = self._creation
-        if creation is None or not creation.done():
+        if creation is None:
             return
+        agent = _core.require_agent()
+        if timeout == _core.UNSET_RPC_TIMEOUT:
+            timeout = agent.timeout
+        if not agent.wait_done(creation, timeout):
+            raise timeout_error(timeout, self.owner())
         try:
             creation.wait()
         except RuntimeError as e:
@@ -444,6 +278,7 @@ class RRef(Generic[T]):
                     "RRef creation via rpc.remote() timed out, and it is possible that the "
                     f"RRef on the owner node does not exist. (owner: {owner.name}, "
                     f"rank {owner.id})") from e
+            raise
 
     def _get_future(self) -> torch.futures.Future:
         """The future of the ``remote()`` call that created this RRef."""
@@ -512,10 +347,9 @@ class RRef(Generic[T]):
         context = _require_context()
         fork_id = context.new_guid()
         owner = self.owner()
-        # Fix (leak): fork registrations are deferred to pctx.on_send, which
-        # runs only once the whole message has pickled and is about to be sent.
-        # Registered here at once, a fork in a message that then failed to
-        # pickle (another argument was a lambda) stayed on the owner forever.
+        # A fork is registered only once its message is certain to be sent
+        # (pctx.on_send runs after the whole message pickled): a fork in a
+        # message that fails to pickle must leave nothing on the owner.
         if self._user is None:
             entry = self._entry  # the closure keeps it alive until registered
             pctx.on_send.append(lambda: context.add_fork(entry.rref_id, fork_id))  # early

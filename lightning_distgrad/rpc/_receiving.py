@@ -1,0 +1,180 @@
+"""The receiving side of the transport: frames probed, validated, and their tensor bytes.
+
+Called only under the transport's lock. A frame is decoded and validated before
+any buffer is allocated for it; its tensor bytes are received into fresh (or
+pooled) tensors; a transfer that does not complete by its deadline is cancelled
+and its buffers dropped. Whatever completes, or fails, is appended to the
+``ready`` queue the transport hands over: ``(source, frame, tensors)``, or a
+:class:`MalformedFrame` with its ``source`` set.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+
+from mpi4py import MPI
+
+from ._wire import (
+    FrameLimits,
+    MalformedFrame,
+    ReceiveBufferPool,
+    allocate_tensor,
+    chunks,
+    decode_frame,
+    tensor_bytes_view,
+)
+
+
+class _Incoming:
+    """A frame whose tensor bytes are still arriving (or that waits behind one that is)."""
+
+    __slots__ = ("source", "frame", "tensors", "requests", "sizes", "deadline")
+
+    def __init__(self, source, frame, tensors, requests, sizes, deadline):
+        self.source = source
+        self.frame = frame
+        self.tensors = tensors
+        self.requests = requests
+        self.sizes = sizes  # bytes expected by each request
+        self.deadline = deadline
+
+
+_COMPLETE = object()
+
+
+class Receiver:
+    """Probes ``ctrl`` for frames and receives their tensors on ``data``."""
+
+    def __init__(self, ctrl: MPI.Comm, data: MPI.Comm, limits: FrameLimits,
+                 transfer_timeout: float):
+        self.ctrl = ctrl
+        self.data = data
+        self.limits = limits
+        self.transfer_timeout = transfer_timeout
+        self.incoming: list[_Incoming] = []
+        # Receives cancelled at their deadline, until MPI confirms the cancellation.
+        self.cancelled: list[MPI.Request] = []
+        self._buffers = ReceiveBufferPool()
+        self._status = MPI.Status()
+
+    def poll(self, ready: collections.deque) -> bool:
+        """Take new frames, test transfers; True if anything moved."""
+        progressed = self._poll_frames(ready)
+        if self.incoming:
+            progressed |= self._test_transfers(ready)
+        if self.cancelled:
+            self.cancelled = [r for r in self.cancelled if not _settled(r)]
+        return progressed
+
+    def frame_waiting(self) -> bool:
+        # Twice: MPICH matches before it makes progress (see _poll_frames).
+        return bool(self.ctrl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+                    or self.ctrl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG))
+
+    def _poll_frames(self, ready: collections.deque) -> bool:
+        status = self._status
+        progressed = False
+        probed_again = False
+        while True:
+            message = self.ctrl.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            if message is None:
+                if progressed or probed_again:
+                    return progressed
+                # MPICH's Improbe looks for a match before it makes progress, not
+                # after: a frame that arrived during a nap shows only at the next call.
+                probed_again = True
+                continue
+            progressed = True
+            source, tag = status.Get_source(), status.Get_tag()
+            raw = bytearray(status.Get_count(MPI.BYTE))
+            message.Recv([raw, MPI.BYTE])
+            try:
+                self._receive(source, tag, raw, ready)
+            except MalformedFrame as e:
+                e.source = source
+                ready.append(e)
+
+    def _receive(self, source: int, tag: int, raw: bytearray,
+                 ready: collections.deque) -> None:
+        if len(raw) > self.limits.max_message_bytes:
+            raise MalformedFrame(f"a frame of {len(raw)} bytes is above max_message_bytes")
+        frame = decode_frame(raw, self.limits)
+        tensors = []
+        requests = []
+        sizes = []
+        try:
+            for meta in frame.metas:
+                t = allocate_tensor(meta, self._buffers)
+                tensors.append(t)
+                if meta[3] is None:  # not inline: the bytes follow on ``data``
+                    for chunk in chunks(tensor_bytes_view(t)):
+                        requests.append(self.data.Irecv([chunk, MPI.BYTE], source, tag))
+                        sizes.append(chunk.size)
+        except MemoryError:
+            self._abandon(requests)
+            raise MalformedFrame("no memory for its tensors", frame) from None
+        # Frames from one source are handed over in the order they came: one whose
+        # bytes are still arriving holds back the later ones.
+        if requests or any(item.source == source for item in self.incoming):
+            self.incoming.append(_Incoming(source, frame, tensors, requests, sizes,
+                                           time.monotonic() + self.transfer_timeout))
+        else:
+            ready.append((source, frame, tensors))
+
+    def _test_transfers(self, ready: collections.deque) -> bool:
+        now = time.monotonic()
+        progressed = False
+        still = []
+        waiting: set[int] = set()  # sources with an earlier frame still arriving
+        for item in self.incoming:
+            problem = None if item.source in waiting else self._transfer_problem(item, now)
+            if problem is None:
+                waiting.add(item.source)
+                still.append(item)
+                continue
+            progressed = True
+            if problem is _COMPLETE:
+                ready.append((item.source, item.frame, item.tensors))
+            else:
+                error = MalformedFrame(problem, item.frame)
+                error.source = item.source
+                ready.append(error)
+        self.incoming = still
+        return progressed
+
+    def _transfer_problem(self, item: _Incoming, now: float) -> object | None:
+        """None while the bytes arrive; _COMPLETE once all did; else what went wrong
+        (the transfer is then abandoned and its buffers freed)."""
+        statuses = [MPI.Status() for _ in item.requests]
+        try:
+            if not MPI.Request.Testall(item.requests, statuses):
+                if now < item.deadline:
+                    return None
+                self._abandon(item.requests)
+                return (f"its tensor bytes did not arrive within {self.transfer_timeout:g} s; "
+                        "the transfer was abandoned")
+        except MPI.Exception as e:
+            self._abandon(item.requests)
+            return f"its tensor bytes could not be received ({e.Get_error_string()})"
+        received = [s.Get_count(MPI.BYTE) for s in statuses]
+        if received != item.sizes:
+            return f"it declared {sum(item.sizes)} tensor bytes but {sum(received)} arrived"
+        return _COMPLETE
+
+    def _abandon(self, requests: list[MPI.Request]) -> None:
+        """Cancel receives; they are tested until MPI confirms (never waited for)."""
+        for request in requests:
+            if request != MPI.REQUEST_NULL:
+                with contextlib.suppress(MPI.Exception):
+                    request.Cancel()
+                if not _settled(request):
+                    self.cancelled.append(request)
+
+
+def _settled(request: MPI.Request) -> bool:
+    try:
+        return request.Test()
+    except MPI.Exception:
+        return True
