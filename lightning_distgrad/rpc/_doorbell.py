@@ -241,9 +241,9 @@ class Backoff:
         return False
 
 
-def node_doorbell(comm: MPI.Comm, rank: int) -> tuple[Doorbell | LocalBell, bool, bool]:
-    """This rank's doorbell; whether every peer can ring it; whether the node has
-    more ranks than this rank has cores. A collective over ``comm``."""
+def node_doorbell(comm: MPI.Comm, rank: int) -> tuple[Doorbell | LocalBell, bool]:
+    """This rank's doorbell, and whether the node has more ranks than this rank has
+    cores. A collective over ``comm``."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         oversubscribed = node.Get_size() > len(os.sched_getaffinity(0))
@@ -258,7 +258,6 @@ def node_doorbell(comm: MPI.Comm, rank: int) -> tuple[Doorbell | LocalBell, bool
         if not node.allreduce(bell.has_board(), op=MPI.LAND):
             bell.drop_board()
         bell.forget_board()  # every agent of the node has opened it
-        all_ring = isinstance(bell, Doorbell) and node.Get_size() == comm.Get_size()
-        return bell, all_ring, oversubscribed
+        return bell, oversubscribed
     finally:
         node.Free()

@@ -60,10 +60,11 @@ HOT_S = 0.002
 # A transfer in flight keeps the poller hot this long after the last completion
 # (MPICH moves big messages only inside MPI calls); past it, naps resume.
 TRANSFER_HOT_S = 1.0
-# An idle poller's longest nap, after a quiet spell (longer where every peer can ring:
-# a nap then costs no latency).
+# An idle poller's longest nap, after a quiet spell.
 QUIET_NAP_S = 0.004
-QUIET_NAP_ALL_RING_S = 0.02
+# While a waiter polls, the progress thread sleeps this long between checks (it is rung
+# when it has something to do; a wake-up takes the GIL from the waiter).
+STEPPED_ASIDE_NAP_S = 0.02
 
 
 class Poller(enum.Enum):
@@ -121,10 +122,9 @@ class Transport:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._tag_mod = min((self.ctrl.Get_attr(MPI.TAG_UB) or 32767) + 1, 1 << 20)
-        self._bell, all_ring, oversubscribed = node_doorbell(comm, self.rank)
+        self._bell, oversubscribed = node_doorbell(comm, self.rank)
         # Spinning only pays where every rank of the node has a core of its own.
         self.spin = not oversubscribed
-        self._quiet_nap = QUIET_NAP_ALL_RING_S if all_ring else QUIET_NAP_S
         self._on_frame = on_frame
         self._on_malformed = on_malformed
         self._receiver = Receiver(self.ctrl, self.data, limits, transfer_timeout)
@@ -300,7 +300,7 @@ class Transport:
                           f"{self.rank}; aborting the MPI job.\n")
 
     def _poll_loop(self) -> None:
-        backoff = Backoff(self._bell, self._poll_and_run, self._quiet_nap)
+        backoff = Backoff(self._bell, self._poll_and_run, QUIET_NAP_S)
         while True:
             with self._lock:
                 if self._state is State.STOPPING and (
@@ -314,7 +314,7 @@ class Transport:
                 # The waiter polls, fires timers and answers rings; it arms our bell
                 # and rings it when it leaves (see _hand_back).
                 backoff.reset()
-                self._bell.wait(QUIET_NAP_ALL_RING_S)
+                self._bell.wait(STEPPED_ASIDE_NAP_S)
                 continue
             self._poll_step(backoff)
         backoff.reset()
@@ -393,7 +393,11 @@ class Transport:
         me = threading.get_ident()
         soon = self._soon
         while soon:
-            self._run(soon.popleft())
+            try:
+                fn = soon.popleft()
+            except IndexError:  # another poller took the last one
+                break
+            self._run(fn)
         with self._lock:
             progressed = self._post_and_poll()
             now = time.monotonic()
