@@ -324,3 +324,22 @@ def test_second_init_rpc_raises_and_agent_keeps_working(rpc_world):
     with pytest.raises(RuntimeError, match="RPC is already initialized"):
         rpc.init_rpc(name=rpc_world.name, rank=rpc_world.rank, world_size=rpc_world.size)
     assert rpc.rpc_sync(rpc_world.peer(), builtins.abs, (-1,)) == 1
+
+
+def test_debug_info_counts_traffic_per_peer(rpc_world):
+    """``_get_debug_info`` merges RRef, agent and autograd figures, with per-peer traffic."""
+    peer = rpc_world.peer()
+    before = rpc.api._get_debug_info()
+    assert {"num_owner_rrefs", "num_pending_requests", "handler_queue_depth",
+            "num_handlers_running", "num_autograd_contexts", "peers"} <= set(before)
+    assert set(before["peers"]) == set(rpc_world.names)
+    payload = torch.zeros(100_000, dtype=torch.uint8)  # sent as a buffer, not inline
+    for _ in range(3):
+        rpc.rpc_sync(peer, torch.add, (payload, 1))
+    after = rpc.api._get_debug_info()["peers"][peer]
+    was = before["peers"][peer]
+    assert after["messages_sent"] >= was["messages_sent"] + 3
+    assert after["bytes_sent"] >= was["bytes_sent"] + 3 * payload.nbytes
+    assert after["messages_received"] >= was["messages_received"] + 3
+    assert after["bytes_received"] >= was["bytes_received"] + 3 * payload.nbytes
+    assert rpc.api._get_debug_info()["num_pending_requests"] == 0

@@ -241,6 +241,9 @@ class _AutogradHooks(_hooks.AutogradHooks):
     def backward(self, ctx_id: int, roots: list[torch.Tensor], retain_graph: bool) -> None:
         _engine.backward(ctx_id, roots, retain_graph)
 
+    def debug_info(self) -> dict[str, int]:
+        return _get_debug_info()
+
 
 def _on_context_release(source: int, body: ContextRelease, tensors: list) -> None:
     """Release the context here and on the workers it reached from here (transitively)."""

@@ -108,6 +108,7 @@ class Agent:
         self._ids = itertools.count()
         self._pending: dict[int, Pending] = {}
         self._processed = 0  # frames whose handling ended (see counts)
+        self._queued = 0  # requests waiting for a worker thread
         self._count_lock = threading.Lock()
         # Threads waiting in wait_done for served one-way frames, by key.
         self._waiters: dict[Any, int] = {}
@@ -275,8 +276,12 @@ class Agent:
     def _submit(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the worker pool (it may block or run long)."""
         self.transport.busy(+1)
+        with self._count_lock:
+            self._queued += 1
 
         def run() -> None:
+            with self._count_lock:
+                self._queued -= 1
             try:
                 fn()
             except Exception:
@@ -466,6 +471,17 @@ class Agent:
 
     def num_pending(self) -> int:
         return len(self._pending)
+
+    def debug_info(self) -> dict[str, Any]:
+        """Pending calls, request handlers, and per-peer traffic (see ``rpc._get_debug_info``)."""
+        peers = {info.name: counts for info, counts in zip(self.infos, self.transport.traffic(),
+                                                            strict=True)}
+        return {
+            "num_pending_requests": len(self._pending),
+            "num_handlers_running": self.transport.handlers_running() - self._queued,
+            "handler_queue_depth": self._queued,
+            "peers": peers,
+        }
 
     # -- shutdown -------------------------------------------------------------------
 

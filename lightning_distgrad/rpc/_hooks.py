@@ -48,6 +48,10 @@ class AutogradHooks:
         """Run ``fn(*args)`` (a request) with ``ctx_id`` as this thread's current context."""
         return fn(*args)
 
+    def debug_info(self) -> dict[str, int]:
+        """Distributed autograd's figures for ``rpc._get_debug_info`` (none when not loaded)."""
+        return {}
+
     def backward(self, ctx_id: int, roots: list[torch.Tensor], retain_graph: bool) -> None:
         raise RuntimeError("lightning_distgrad.autograd is not loaded")
 

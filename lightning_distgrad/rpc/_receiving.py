@@ -50,6 +50,8 @@ class Receiver:
     def __init__(self, ctrl: MPI.Comm, data: MPI.Comm, limits: FrameLimits,
                  transfer_timeout: float):
         self.ctrl = ctrl
+        # Per source rank: frames and bytes received (complete, or abandoned).
+        self.received_from = [[0, 0] for _ in range(ctrl.Get_size())]
         self.data = data
         self.limits = limits
         self.transfer_timeout = transfer_timeout
@@ -90,6 +92,9 @@ class Receiver:
             source, tag = status.Get_source(), status.Get_tag()
             raw = bytearray(status.Get_count(MPI.BYTE))
             message.Recv([raw, MPI.BYTE])
+            received = self.received_from[source]
+            received[0] += 1
+            received[1] += len(raw)
             try:
                 self._receive(source, tag, raw, ready)
             except MalformedFrame as e:
@@ -109,6 +114,7 @@ class Receiver:
                 t = allocate_tensor(meta, self._buffers)
                 tensors.append(t)
                 if meta[3] is None:  # not inline: the bytes follow on ``data``
+                    self.received_from[source][1] += meta[2]
                     for chunk in chunks(tensor_bytes_view(t)):
                         requests.append(self.data.Irecv([chunk, MPI.BYTE], source, tag))
                         sizes.append(chunk.size)

@@ -140,6 +140,7 @@ class Transport:
         self._handlers_running = 0
         self._send_seq = [0] * self.size
         self._frames_sent = 0
+        self._sent_to = [[0, 0] for _ in range(self.size)]  # per peer: frames, bytes
         self._sends: list[tuple[list[MPI.Request], object]] = []
         self._ready: collections.deque = collections.deque()  # frames and deferred calls
         self._deliverer: int | None = None  # ident of the thread handling _ready's items
@@ -180,6 +181,9 @@ class Transport:
             self._send_seq[dst] = seq + 1
             tag = seq % self._tag_mod
             self._frames_sent += 1
+            sent = self._sent_to[dst]
+            sent[0] += 1
+            sent[1] += len(raw) + sum(t.nbytes for t in buffers)
             requests = [self.ctrl.Isend([raw, MPI.BYTE], dst, tag)]
             for t in buffers:
                 for chunk in chunks(tensor_bytes_view(t)):
@@ -221,8 +225,19 @@ class Transport:
         with self._lock:
             return self._frames_sent
 
+    def traffic(self) -> list[dict[str, int]]:
+        """Per peer rank: frames and bytes sent to it and received from it so far."""
+        with self._lock:
+            return [{"messages_sent": s[0], "bytes_sent": s[1],
+                     "messages_received": r[0], "bytes_received": r[1]}
+                    for s, r in zip(self._sent_to, self._receiver.received_from, strict=True)]
+
     def is_progress_thread(self, ident: int) -> bool:
         return ident == self._thread.ident
+
+    def handlers_running(self) -> int:
+        with self._lock:
+            return self._handlers_running
 
     def busy(self, delta: int) -> None:
         """Count running request handlers: the poller naps rather than spins meanwhile."""

@@ -301,7 +301,19 @@ def _rref_context_get_debug_info() -> dict[str, int]:
     return _rref_context._require_context().debug_info()
 
 
-def _get_debug_info() -> dict[str, int]:
-    info = dict(_rref_context_get_debug_info())
-    info["num_pending_requests"] = _core.require_agent().num_pending()
+def _get_debug_info() -> dict[str, Any]:
+    """This worker's RRef, agent and distributed autograd figures, as torch's.
+
+    ``peers`` maps each worker's name to the messages and bytes sent to and
+    received from it; ``handler_queue_depth`` counts requests waiting for a
+    worker thread.
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> rpc.api._get_debug_info()["peers"]["worker1"]["messages_sent"]
+        12
+    """
+    info: dict[str, Any] = dict(_rref_context_get_debug_info())
+    info.update(_core.require_agent().debug_info())
+    info.update(_hooks.get().debug_info())
     return info
