@@ -16,6 +16,7 @@ import torch
 
 from ..rpc import _core, _hooks
 from ..rpc._one_way import register_one_way
+from ..rpc._profiling import recording, span
 from ..rpc._wire import Kind
 from . import _engine, _messages
 from ._context import DistAutogradContext
@@ -83,7 +84,11 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
         ...     loss = ((pred - y) ** 2).sum()
         ...     dist_autograd.backward(context_id, [loss])
     """
-    _engine.backward(context_id, roots, retain_graph)
+    if not recording():
+        _engine.backward(context_id, roots, retain_graph)
+        return
+    with span("torch::distributed::autograd::backward"):
+        _engine.backward(context_id, roots, retain_graph)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

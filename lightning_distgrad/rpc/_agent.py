@@ -43,6 +43,7 @@ from ._errors import (
     timeout_error,
 )
 from ._one_way import HANDLERS
+from ._profiling import profiling_key, recording, span
 from ._transport import Transport
 from ._wire import (
     CALL_KINDS,
@@ -82,14 +83,18 @@ class WorkerInfo:
         return (WorkerInfo, (self.name, self.id))
 
 
-def _decode_and_call(payload: bytes, tensors: list) -> tuple[Callable, Any]:
-    """Run a request's function; returns (function, result)."""
+def _decode_and_call(payload: bytes, tensors: list, route: str) -> tuple[Callable, Any]:
+    """Run a request's function; returns (function, result). Under an active torch
+    profiler the run is recorded as ``rpc_serve#<function>(<route>)``."""
     # Only the unpickling is wrapped: the function's own errors reach the caller as raised.
     try:
         func, args, kwargs = decode_payload(payload, tensors)
     except (ImportError, AttributeError) as e:
         raise not_importable(e) from e
-    return func, func(*args, **kwargs)
+    if not recording():
+        return func, func(*args, **kwargs)
+    with span(profiling_key("serve", func, route)):
+        return func, func(*args, **kwargs)
 
 
 class Agent:
@@ -355,8 +360,10 @@ class Agent:
 
     # -- serving --------------------------------------------------------------------
 
-    @staticmethod
-    def _call(source: int, frame: Frame, tensors: list) -> tuple[int | None, Callable, Any]:
+    def _route(self, source: int) -> str:
+        return f"{self.infos[source].name} -> {self.info.name}"
+
+    def _call(self, source: int, frame: Frame, tensors: list) -> tuple[int | None, Callable, Any]:
         """Run the function of a REQUEST; returns (context id, function, result)."""
         hooks = _hooks.get()
         ctx_id = hooks.context_of(frame.body)
@@ -364,7 +371,7 @@ class Agent:
         # Grad mode is thread-local: a request runs with it on, as on a fresh
         # server thread, whichever thread handed its frame over.
         return (ctx_id, *hooks.call_in(ctx_id, _hooks.with_grad, _decode_and_call,
-                                       frame.payload, tensors))
+                                       frame.payload, tensors, self._route(source)))
 
     def _run_request(self, source: int, frame: Frame, tensors: list) -> None:
         try:
@@ -387,7 +394,8 @@ class Agent:
         """A torch operator with no autograd context: :meth:`_run_request` minus the
         hooks (nothing to record, no context to switch: an operator makes no RPCs)."""
         try:
-            _, result = _hooks.with_grad(_decode_and_call, frame.payload, tensors)
+            _, result = _hooks.with_grad(_decode_and_call, frame.payload, tensors,
+                                         self._route(source))
         except BaseException as e:
             self._reply_error(source, frame.call_id, e)
             return

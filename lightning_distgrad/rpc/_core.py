@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ._agent import Agent, WorkerInfo
+from ._profiling import profiling_key, recording, span_until
 
 #: Sentinel meaning "use the agent's default timeout" (torch uses -1.0 too).
 UNSET_RPC_TIMEOUT = -1.0
@@ -115,8 +116,14 @@ def is_builtin(func: Any) -> bool:
 def invoke(to: Any, func: Callable, args: tuple | list | None, kwargs: dict | None,
            timeout: float, *, user_visible: bool = True,
            force_autograd: bool | None = None, arrival_forks: list | None = None,
+           profile: str | None = None, profiled_func: Callable | None = None,
            ) -> torch.futures.Future:
-    """Validate, then send one request; everything is checked before anything is sent."""
+    """Validate, then send one request; everything is checked before anything is sent.
+
+    ``profile`` ("sync", "async", "remote"): under an active torch profiler the call is
+    recorded as torch's RPC profiling names it, ``rpc_sync#aten::add(worker0 -> worker1)``,
+    for ``profiled_func`` (default ``func``), from the send until the response.
+    """
     timeout = check_timeout(timeout)
     agent = require_agent()
     dst = resolve(agent, to)
@@ -129,9 +136,14 @@ def invoke(to: Any, func: Callable, args: tuple | list | None, kwargs: dict | No
         # Python functions always carry the context: their result may need
         # grad even when no argument does (torch's forceGradRecording).
         force_autograd = not operator
-    return agent.call(dst, func, tuple(args or ()), dict(kwargs or {}), float(timeout),
-                      user_visible=user_visible, force_autograd=force_autograd,
-                      arrival_forks=arrival_forks, operator=operator)
+    future = agent.call(dst, func, tuple(args or ()), dict(kwargs or {}), float(timeout),
+                        user_visible=user_visible, force_autograd=force_autograd,
+                        arrival_forks=arrival_forks, operator=operator)
+    if profile is None or not recording():
+        return future
+    name = profiling_key(profile, profiled_func or func, f"{agent.info.name} -> {dst.name}")
+    return span_until(name, future)
+
 
 
 def wait(future: torch.futures.Future) -> Any:

@@ -16,6 +16,7 @@ import time
 
 from mpi4py import MPI
 
+from ._profiling import active_log
 from ._wire import (
     FrameLimits,
     MalformedFrame,
@@ -106,6 +107,9 @@ class Receiver:
         if len(raw) > self.limits.max_message_bytes:
             raise MalformedFrame(f"a frame of {len(raw)} bytes is above max_message_bytes")
         frame = decode_frame(raw, self.limits)
+        log = active_log()
+        if log is not None:
+            log.received(frame.kind.name, source, tag, len(raw) + sum(m[2] for m in frame.metas))
         tensors = []
         requests = []
         sizes = []

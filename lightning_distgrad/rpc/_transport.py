@@ -42,6 +42,7 @@ from mpi4py import MPI
 
 from ._abort import abort_mpi_job
 from ._doorbell import NAP_MAX_S, NAP_MIN_S, Backoff, node_doorbell
+from ._profiling import active_log
 from ._receiving import Receiver
 from ._wire import (
     Frame,
@@ -172,9 +173,10 @@ class Transport:
             metas.append(meta)
             if data is not None:
                 buffers.append(data)
-        self.send_raw(dst, frame.dumps(tuple(metas)), buffers)
+        self.send_raw(dst, frame.dumps(tuple(metas)), buffers, frame.kind.name)
 
-    def send_raw(self, dst: int, raw: bytes, buffers: list[torch.Tensor] = ()) -> None:
+    def send_raw(self, dst: int, raw: bytes, buffers: list[torch.Tensor] = (),
+                 kind: str = "raw") -> None:
         """Post encoded frame bytes, then each buffer's bytes, to ``dst`` (in order)."""
         with self._lock:
             seq = self._send_seq[dst]
@@ -182,8 +184,12 @@ class Transport:
             tag = seq % self._tag_mod
             self._frames_sent += 1
             sent = self._sent_to[dst]
+            nbytes = len(raw) + sum(t.nbytes for t in buffers)
             sent[0] += 1
-            sent[1] += len(raw) + sum(t.nbytes for t in buffers)
+            sent[1] += nbytes
+            log = active_log()
+            if log is not None:
+                log.sent(kind, dst, tag, nbytes)
             requests = [self.ctrl.Isend([raw, MPI.BYTE], dst, tag)]
             for t in buffers:
                 for chunk in chunks(tensor_bytes_view(t)):

@@ -223,7 +223,8 @@ def rpc_sync(to: str | int | WorkerInfo, func: Callable, args: tuple | None = No
         tensor([4., 4.])
         >>> rpc.shutdown()
     """
-    return _core.wait(_core.invoke(to, func, args, kwargs, timeout, user_visible=False))
+    return _core.wait(_core.invoke(to, func, args, kwargs, timeout, user_visible=False,
+                                   profile="sync"))
 
 
 def rpc_async(to: str | int | WorkerInfo, func: Callable, args: tuple | None = None,
@@ -242,7 +243,7 @@ def rpc_async(to: str | int | WorkerInfo, func: Callable, args: tuple | None = N
         >>> fut.wait()
         tensor([4., 4.])
     """
-    return _core.invoke(to, func, args, kwargs, timeout, user_visible=True)
+    return _core.invoke(to, func, args, kwargs, timeout, user_visible=True, profile="async")
 
 
 def remote(to: str | int | WorkerInfo, func: Callable, args: tuple | None = None,

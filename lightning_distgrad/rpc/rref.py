@@ -256,7 +256,7 @@ class RRef(Generic[T]):
         # request could not be read on the owner) leaves nothing there to fetch.
         self._raise_if_creation_failed(timeout)
         value = _core.wait(_core.invoke(self._user.owner, _rref_fetch, (self._user.rref_id,),
-                                        None, timeout, user_visible=False))
+                                        None, timeout, user_visible=False, profile="sync"))
         self._user.confirmed = True
         return value
 
@@ -407,9 +407,11 @@ def create_remote(to: Any, func: Callable, args, kwargs, timeout: float) -> RRef
     if dst.id == agent.info.id:
         entry = context.new_entry(rref_id)
         creation = _core.invoke(dst, _create_owner_value, packed, None, timeout,
-                                user_visible=False, force_autograd=force)
+                                user_visible=False, force_autograd=force, profile="remote",
+                                profiled_func=func)
         return RRef._from_entry(entry, creation)
     fork_id = context.new_guid()
     creation = _core.invoke(dst, _create_owner_value, packed, None, timeout, user_visible=False,
-                            force_autograd=force, arrival_forks=[(rref_id, fork_id)])
+                            force_autograd=force, arrival_forks=[(rref_id, fork_id)],
+                            profile="remote", profiled_func=func)
     return RRef._from_user(_UserState(dst, rref_id, fork_id, False, creation))
