@@ -4,6 +4,11 @@ merged timeline of every rank."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,13 +16,15 @@ import torch
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import profiler, rpc
 
-pytestmark = pytest.mark.mpi(min_size=2)
+REPO = Path(__file__).resolve().parents[1]
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
 
 def double(x):
     return x * 2
 
 
+@pytest.mark.mpi(min_size=2)
 def test_rpcs_are_recorded_under_torchs_rpc_profiling_names(rpc_world):
     me, peer = rpc_world.name, rpc_world.peer()
     x = torch.ones(2)
@@ -35,6 +42,7 @@ def test_rpcs_are_recorded_under_torchs_rpc_profiling_names(rpc_world):
     assert {e.key for e in prof.key_averages()} == keys
 
 
+@pytest.mark.mpi(min_size=2)
 def test_the_distributed_backward_is_recorded(rpc_world):
     t1 = torch.rand(3, 3, requires_grad=True)
     with torch.profiler.profile() as prof, dist_autograd.context() as context_id:
@@ -44,6 +52,7 @@ def test_the_distributed_backward_is_recorded(rpc_world):
     assert "torch::distributed::autograd::backward" in keys, sorted(keys)
 
 
+@pytest.mark.mpi(min_size=2)
 def test_the_merged_timeline_has_a_lane_per_worker_and_an_arrow_per_message(rpc_world,
                                                                             tmp_path_factory):
     world = rpc_world
@@ -91,4 +100,25 @@ def test_the_merged_timeline_has_a_lane_per_worker_and_an_arrow_per_message(rpc_
     png = f"{folder}/timeline.png"
     profiler.plot_timeline(path, png)
     with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
+def test_the_profiled_lightning_pipeline_writes_a_timeline_of_both_ranks(tmp_path):
+    """``examples/profile_pipeline.py`` as its users run it: a trace with the trainer's and
+    the server's lanes, and its picture."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_"))}
+    env.update(OMP_NUM_THREADS="1", MPIEXEC_TIMEOUT="300")
+    argv = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py",
+            str(REPO / "examples" / "profile_pipeline.py"), "--out", str(tmp_path)]
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=330)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(tmp_path / "pipeline_trace.json") as f:
+        trace = json.load(f)
+    spans = {(e["pid"], e["name"].split("#")[0]) for e in trace["traceEvents"]
+             if e["ph"] == "X"}
+    assert (0, "rpc_sync") in spans or (0, "rpc_async") in spans, sorted(spans)[:20]
+    assert (1, "rpc_serve") in spans, sorted(spans)[:20]
+    with open(tmp_path / "pipeline_timeline.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
