@@ -74,9 +74,9 @@ def init_error(**kwargs) -> str:
 # Before init_rpc and after shutdown
 
 
-def test_every_call_without_an_agent_raises_not_initialized(rpc_stopped):
+def calls_that_need_an_agent() -> list:
     x = torch.ones(1)
-    calls = [
+    return [
         lambda: rpc.rpc_sync("worker0", torch.add, (x, 1)),
         lambda: rpc.rpc_async("worker0", torch.add, (x, 1)),
         lambda: rpc.remote("worker0", torch.add, (x, 1)),
@@ -89,6 +89,10 @@ def test_every_call_without_an_agent_raises_not_initialized(rpc_stopped):
         lambda: rpc._rref_context_get_debug_info(),
         lambda: rpc._get_current_rpc_agent(),
     ]
+
+
+def test_every_call_without_an_agent_raises_not_initialized(rpc_stopped):
+    calls = calls_that_need_an_agent()
     for call in calls:
         with pytest.raises(RuntimeError, match=NOT_INITIALIZED):
             call()
@@ -101,16 +105,7 @@ def test_every_call_without_an_agent_raises_not_initialized(rpc_stopped):
 
 
 def test_calls_after_shutdown_say_rpc_was_shut_down(rpc_stopped):
-    x = torch.ones(1)
-    calls = [
-        lambda: rpc.rpc_sync("worker0", torch.add, (x, 1)),
-        lambda: rpc.rpc_async("worker0", torch.add, (x, 1)),
-        lambda: rpc.remote("worker0", torch.add, (x, 1)),
-        lambda: rpc.get_worker_info(),
-        lambda: rpc.get_rpc_timeout(),
-        lambda: rpc.shutdown(),
-        lambda: rpc.RRef(3),
-    ]
+    calls = calls_that_need_an_agent()
     for graceful in (True, False):
         rpc.init_rpc()
         assert_works(rpc_stopped.names)
