@@ -987,7 +987,7 @@ _TRACED = {
         ("_new_context", "context enter"),
         ("_release_context", "context exit"),
     ],
-    ("lightning_distgrad.autograd._engine", "_Pass"): [
+    ("lightning_distgrad.autograd._pass", "Pass"): [
         ("__init__", "pass setup (graph)"),
         ("deliver_roots", "pass.deliver_roots"),
         ("deliver_sends", "pass.deliver_sends"),

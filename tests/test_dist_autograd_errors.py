@@ -1,6 +1,6 @@
 """Distributed autograd errors: bad input (torch's texts), errors raised during the backward
 pass on any worker, recovery in the same context, timeouts, and the unused-RPC case that
-hangs in PyTorch's FAST mode but must raise here.
+hangs in PyTorch's FAST mode but must raise here in a strict pass.
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def test_no_backward_pass_left_running_after_a_failed_pass(rpc_world, case):
         else:
             loss = rpc.rpc_sync(world.peer(1), unused_rpc_udf, (t1, world.peer(2))).sum()
         with pytest.raises(RuntimeError):
-            dist_autograd.backward(context_id, [loss])
+            dist_autograd.backward(context_id, [loss], strict=True)
         try:
             assert_no_backward_pass_anywhere(world, timeout=2.0)
         finally:
@@ -351,7 +351,7 @@ def test_backward_unused_send_function(rpc_world):
         (msg_id,) = dist_autograd._current_context()._send_functions()
         start = time.monotonic()
         with pytest.raises(RuntimeError) as info:
-            dist_autograd.backward(context_id, [loss])
+            dist_autograd.backward(context_id, [loss], strict=True)
         elapsed = time.monotonic() - start
         text = str(info.value)
         assert f"autograd message {msg_id} " in text
@@ -363,10 +363,10 @@ def test_backward_unused_send_function(rpc_world):
 
 def test_backward_unused_send_function_on_a_remote_worker(rpc_world):
     """The unused RPC is made by a remote UDF (callee -> third worker): the root's error
-    names that message and those two workers."""
+    names that message and those two workers (strictness set on the context)."""
     world = rpc_world
     t1 = torch.rand(3, 3, requires_grad=True)
-    with dist_autograd.context() as context_id:
+    with dist_autograd.context(strict=True) as context_id:
         ret = rpc.rpc_sync(world.peer(1), unused_rpc_udf, (t1, world.peer(2)))
         start = time.monotonic()
         with pytest.raises(RuntimeError) as info:

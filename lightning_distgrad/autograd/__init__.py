@@ -2,9 +2,11 @@
 
 Every RPC made inside a :class:`context` whose tensors require grad records a
 send function on the sender and a recv function on the receiver;
-:func:`backward` then runs the FAST-mode backward pass across all workers the
-context reached, and :func:`get_gradients` returns the gradients accumulated
-on this worker.
+:func:`backward` then runs the backward pass across the workers the context
+reached, and :func:`get_gradients` returns the gradients accumulated on this
+worker. By default (SMART mode) RPCs whose results do not reach the roots take
+no part; ``strict=True`` (on :func:`backward` or :class:`context`) makes such
+an RPC an error instead (PyTorch's FAST-mode contract). See ``_engine``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ class context:
     Leaving it releases the context here and, asynchronously, on every worker
     the context reached.
 
+    Args:
+        strict (bool): the default of :func:`backward`'s ``strict`` for passes
+            in this context: with ``True`` an RPC whose results do not reach the
+            roots is an error.
+
     Example::
         Run with ``mpiexec -n 2 python -m mpi4py example.py``:
 
@@ -57,25 +64,38 @@ class context:
         >>> rpc.shutdown()
     """
 
+    def __init__(self, strict: bool = False) -> None:
+        self.strict = strict
+
     def __enter__(self) -> int:
         self.autograd_context = _new_context()
+        self.autograd_context.strict = self.strict
         return self.autograd_context._context_id()
 
     def __exit__(self, type: Any, value: Any, traceback: Any) -> None:
         _release_context(self.autograd_context._context_id())
 
 
-def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False) -> None:
+def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False, *,
+             strict: bool | None = None) -> None:
     r"""Run the distributed backward pass from ``roots`` in context ``context_id``.
 
-    Gradients of leaves go into the context of the worker that owns them
-    (read them with :func:`get_gradients` there), summed over repeated passes;
-    ``.grad`` is not touched. Returns when every worker the pass reached is done.
+    Computes the gradients of the roots with respect to every tensor that
+    reaches them, on every worker, and nothing else: leaves and RPCs that do not
+    reach the roots get no gradient (as with local autograd). Gradients of
+    leaves go into the context of the worker that owns them (read them with
+    :func:`get_gradients` there), summed over repeated passes; ``.grad`` is not
+    touched. Returns when every worker the pass reached is done.
 
     Args:
         context_id (int): the id yielded by :class:`context`.
         roots (list[Tensor]): scalar tensors to differentiate.
         retain_graph (bool): keep the graph (on every worker) for another pass.
+        strict (bool, optional): ``True``: every RPC of the context carrying
+            tensors that require grad (and not consumed by an earlier pass) must
+            reach the roots; one that does not makes the pass raise, naming its
+            autograd message id and workers. ``None`` (default): the context's
+            setting (:class:`context`'s ``strict``, ``False`` unless given).
 
     Example::
         >>> # xdoctest: +SKIP
@@ -83,12 +103,16 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
         ...     pred = rpc.rpc_sync("worker1", torch.mul, args=(w, x))
         ...     loss = ((pred - y) ** 2).sum()
         ...     dist_autograd.backward(context_id, [loss])
+        >>> with dist_autograd.context() as context_id:
+        ...     unused = rpc.rpc_sync("worker1", torch.add, args=(w, x))
+        ...     dist_autograd.backward(context_id, [(w * x).sum()])  # fine
+        ...     dist_autograd.backward(context_id, [(w * x).sum()], strict=True)  # raises
     """
     if not recording():
-        _engine.backward(context_id, roots, retain_graph)
+        _engine.backward(context_id, roots, retain_graph, strict)
         return
     with span("torch::distributed::autograd::backward"):
-        _engine.backward(context_id, roots, retain_graph)
+        _engine.backward(context_id, roots, retain_graph, strict)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

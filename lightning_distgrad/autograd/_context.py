@@ -51,6 +51,8 @@ class DistAutogradContext:
         self.known_workers: set[int] = set()
         self.grads: dict[torch.Tensor, torch.Tensor] = {}  # leaf -> gradient (identity keys)
         self.backward_pass: Any = None  # the engine's state for the current pass
+        self.ended_pass_id: tuple | None = None  # the last pass ended on this worker
+        self.strict = False  # backward's default: every RPC must take part
 
     def _context_id(self) -> int:
         return self._id

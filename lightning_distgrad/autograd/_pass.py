@@ -1,0 +1,455 @@
+"""One backward pass on one worker: the local graph, its regions, and what leaves it.
+
+The engine's own work is bookkeeping: dependency counts across the points where
+gradients enter (the roots, send functions whose peer shipped gradients) and
+leave (recv functions, leaves). The node-level work runs in PyTorch's native
+engine: each *region* is one native ``torch.autograd.grad`` call that starts at
+``GradientEdge``\\ s and stops at recv functions, leaves, and nodes that still
+wait for gradients from elsewhere. A node therefore runs once, with its summed
+gradient, however many regions feed it.
+
+A send function is an identity: the gradients its peer ships go straight to
+the nodes of the tensors it sent, with no native run for the send node itself.
+
+A gradient may be *absent* (``None``): a send resolved as unused, a recv output
+that got no gradient, a native run that returned none for an edge. An absent
+gradient still counts as delivered; a node all of whose incoming gradients are
+absent does not run and passes absence on, so every node of the graph is
+settled once every start has been.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, _engine_run_backward
+
+from ..rpc._errors import timeout_error
+from ._context import DistAutogradContext, sum_grads
+from ._credit import NO_CREDIT, Credit, add_credit, is_all_credit
+
+
+def is_leaf_node(node: Any) -> bool:
+    return hasattr(node, "variable")
+
+
+def native_grad(outputs: list, inputs: list, grad_outputs: list,
+                retain_graph: bool) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(..., allow_unused=True)`` without its Python-side checks.
+
+    Those checks (``_make_grads``, argument normalisation) add nothing for
+    gradients built by this engine; the native engine still validates every
+    gradient's shape against the node it enters.
+    """
+    return _engine_run_backward(tuple(outputs), tuple(grad_outputs), retain_graph, False,
+                                tuple(inputs), True, False)
+
+
+class _Graph:
+    """Edges, parents and incoming-edge counts of the nodes reachable from ``starts``."""
+
+    def __init__(self, starts: list, recvs: set):
+        self.children: dict[Any, list[tuple[Any, int]]] = {}
+        self.parents: dict[Any, list[Any]] = collections.defaultdict(list)
+        self.remaining: dict[Any, int] = collections.defaultdict(int)
+        self.boundary: set = set()
+        seen = set(starts)
+        queue = list(starts)
+        while queue:
+            node = queue.pop()
+            if node in recvs or is_leaf_node(node):
+                self.boundary.add(node)
+                self.children[node] = []
+                continue
+            kids = [(c, nr) for c, nr in node.next_functions if c is not None]
+            self.children[node] = kids
+            for child, _ in kids:
+                self.remaining[child] += 1
+                self.parents[child].append(node)
+                if child not in seen:
+                    seen.add(child)
+                    queue.append(child)
+
+    def descendants(self, nodes) -> set:
+        out: set = set()
+        queue = [c for n in nodes for c, _ in self.children[n]]
+        while queue:
+            node = queue.pop()
+            if node not in out:
+                out.add(node)
+                queue.extend(c for c, _ in self.children[node])
+        return out
+
+    def ancestors_within(self, nodes, within: set) -> set:
+        """``nodes``' parents in ``within``, transitively."""
+        out: set = set()
+        queue = [p for t in nodes for p in self.parents[t] if p in within]
+        while queue:
+            node = queue.pop()
+            if node not in out:
+                out.add(node)
+                queue.extend(p for p in self.parents[node] if p in within)
+        return out
+
+
+class Pass:
+    """One backward pass of one context on this worker."""
+
+    def __init__(self, ctx: DistAutogradContext, pass_id: tuple, retain_graph: bool,
+                 root_edges: list[GradientEdge]):
+        self.ctx = ctx
+        self.pass_id = pass_id
+        self.retain_graph = retain_graph
+        self.lock = threading.Lock()
+        with ctx.lock:
+            # Sends whose graph an earlier pass freed (no retain_graph) take no
+            # part: a second forward in the same context starts afresh.
+            sends = {mid: node for mid, node in ctx.sends.items()
+                     if mid not in ctx.consumed_sends}
+            self.recv_ids = {node: mid for mid, node in ctx.recvs.items()}
+        self.send_nodes = sends
+        self.pending_sends = set(sends)
+        self.graph = _Graph([e.node for e in root_edges] + list(sends.values()),
+                            set(self.recv_ids))
+        for edge in root_edges:
+            self.graph.remaining[edge.node] += 1
+        for node in sends.values():
+            self.graph.remaining[node] += 1
+        self.buffers: dict[Any, dict[int, torch.Tensor]] = {}
+        self.finalized: set = set()
+        # Interior nodes whose incoming gradients are all delivered and all absent,
+        # not yet passed on to their children.
+        self.empty: list = []
+        self.held_hooks: dict[Any, dict] = {}  # leaf node -> hooks taken off it
+        self.seq = 0
+        # Root only, under credit_lock (never held during graph work): the
+        # credit back so far, the workers' reports, the first error.
+        self.credit_lock = threading.Lock()
+        self.credit = NO_CREDIT
+        self.reports: list[tuple] = []
+        self.error: BaseException | None = None
+        self.finished = torch.futures.Future()  # set when all credit is back
+
+    # -- deliveries ---------------------------------------------------------------
+
+    def _add(self, node: Any, nr: int, grad: torch.Tensor | None) -> None:
+        if grad is None:
+            return
+        slots = self.buffers.setdefault(node, {})
+        slots[nr] = sum_grads(slots.get(nr), grad)
+
+    def _delivered(self, node: Any) -> None:
+        """One incoming edge of ``node`` delivered (after its gradient, if any, was added)."""
+        remaining = self.graph.remaining
+        left = remaining[node] - 1
+        remaining[node] = left
+        if left == 0 and node not in self.buffers and node not in self.graph.boundary:
+            self.empty.append(node)
+
+    def deliver_roots(self, root_edges: list[GradientEdge],
+                      grads: list[torch.Tensor]) -> list[tuple[int, list]]:
+        """Gradients for the roots; returns the gradient messages to ship."""
+        with self.lock:
+            for edge, grad in zip(root_edges, grads, strict=False):
+                self._add(edge.node, edge.output_nr, grad)
+                self._delivered(edge.node)
+            return self._run()
+
+    def deliver_sends(self, items: list[tuple[int, list | None]]) -> list[tuple[int, list]]:
+        """Gradients for send functions from one peer; returns the gradient messages to ship.
+
+        ``items`` are ``(message id, one gradient or None per sent tensor)``;
+        ``None`` instead of the list: every gradient of that send is absent.
+        """
+        with self.lock:
+            for msg_id, grads in items:
+                self._deliver_send(msg_id, grads)
+            return self._run()
+
+    def _deliver_send(self, msg_id: int, grads: list | None) -> None:
+        if msg_id not in self.pending_sends:
+            if msg_id in self.ctx.consumed_sends and msg_id not in self.send_nodes:
+                raise RuntimeError(
+                    "Trying to backward through the graph a second time: the send "
+                    f"function of autograd message {msg_id} already ran in a pass "
+                    "without retain_graph, which freed its graph. Specify "
+                    "retain_graph=True if you need to backward through the graph a "
+                    "second time.")
+            raise RuntimeError(f"Send function for autograd message id {msg_id} got its "
+                               "gradients twice in one backward pass")
+        node = self.send_nodes[msg_id]
+        self.pending_sends.discard(msg_id)
+        if grads is None:
+            grads = [None] * len(node.next_functions)
+        # Only a send whose gradients ran through its graph has consumed it.
+        if not self.retain_graph and any(g is not None for g in grads):
+            with self.ctx.lock:
+                self.ctx.consumed_sends.add(msg_id)
+        devices = self.ctx.send_devices.get(msg_id, ())
+        self.graph.remaining[node] -= 1
+        # The send node is an identity: its gradients go straight to the nodes
+        # of the tensors it sent (a native run of it would only copy them).
+        for nr, ((child, child_nr), grad) in enumerate(zip(node.next_functions, grads,
+                                                           strict=True)):
+            if child is None:
+                continue
+            if grad is not None:
+                if nr < len(devices) and grad.device != devices[nr]:
+                    grad = grad.to(devices[nr])  # gradients travel through host memory
+                if is_leaf_node(child):
+                    self._hold_hooks(child)
+                self._add(child, child_nr, grad)
+            self._delivered(child)
+
+    # -- regions --------------------------------------------------------------------
+
+    def _run(self) -> list[tuple[int, list]]:
+        """Run every region that is ready; returns one gradient message per peer."""
+        by_peer: dict[int, list] = {}
+        while True:
+            self._pass_on_absence()
+            self._finalize_boundary(by_peer)
+            if not self._run_region():
+                return list(by_peer.items())
+
+    def _pass_on_absence(self) -> None:
+        """Settle the children of nodes whose every incoming gradient was absent."""
+        children = self.graph.children
+        while self.empty:
+            for child, _ in children[self.empty.pop()]:
+                self._delivered(child)
+
+    def _run_region(self) -> bool:
+        graph = self.graph
+        remaining = graph.remaining
+        starts = [n for n in self.buffers if remaining[n] == 0 and n not in graph.boundary]
+        if not starts:
+            return False
+        # Nodes whose every incoming edge is delivered once ``starts`` run.
+        rem: dict[Any, int] = {}
+        ready: list = []
+        in_ready: set = set()
+        queue = list(starts)
+        while queue:
+            node = queue.pop()
+            if node in in_ready:
+                continue
+            in_ready.add(node)
+            ready.append(node)
+            for child, _ in graph.children[node]:
+                r = rem.get(child, remaining[child]) - 1
+                rem[child] = r
+                if r == 0 and child not in graph.boundary:
+                    queue.append(child)
+        for node in ready:  # dead ends (no input needs grad): nothing to run
+            if not graph.children[node]:
+                self.buffers.pop(node, None)
+        frontier = {c for n in ready for c, _ in graph.children[n] if c not in in_ready}
+        waiting = [c for c in frontier if c not in graph.boundary]
+        blocked = graph.descendants(waiting)
+        # Run only nodes that lead somewhere useful now; the rest wait with
+        # their gradients buffered until what blocks them has run.
+        targets = frontier - blocked
+        run_set = graph.ancestors_within(targets, in_ready)
+        run = [n for n in ready if n in run_set]
+        if not run:
+            return False
+        capture = self._split_off_conflicts(run, waiting)
+        if capture is None:
+            # Every node that could run now feeds both a node that still waits and
+            # one of that node's descendants: run one alone, outside the native engine.
+            needed = graph.ancestors_within(targets & graph.boundary, in_ready)
+            alone = [n for n in run if n in self.buffers and remaining[n] == 0 and n in needed]
+            if not alone:
+                return False  # they wait for the node that blocks them
+            self._run_alone(alone[0])
+            return True
+        run, capture = capture
+        captured_nodes = {c for c, _ in capture}
+        outputs, grad_outputs = [], []
+        for node in run:
+            for nr, grad in self.buffers.pop(node, {}).items():
+                outputs.append(GradientEdge(node, nr))
+                grad_outputs.append(grad)
+        run_set = set(run)
+        rem = {c: remaining[c] - sum(1 for p in graph.parents[c] if p in run_set)
+               for c in captured_nodes}
+        self._hold_hooks_of_partial_leaves(captured_nodes, rem)
+        grads = native_grad(outputs, [GradientEdge(c, nr) for c, nr in capture],
+                            grad_outputs, self.retain_graph)
+        for (child, nr), grad in zip(capture, grads, strict=False):
+            self._add(child, nr, grad)
+        for node in run:
+            for child, _ in graph.children[node]:
+                if child in run_set:
+                    remaining[child] -= 1  # ran in this call
+                else:
+                    self._delivered(child)
+        return True
+
+    def _split_off_conflicts(self, run: list, waiting: list) -> tuple[list, list] | None:
+        """(nodes to run, edges to capture) for one native call; None if no node can run.
+
+        Invariant of a native call: no captured node is a descendant of another
+        captured node that is not on the boundary (the native engine would run
+        that one with a partial gradient). Nodes feeding such a descendant are
+        left out of the call (they stay buffered, or run alone).
+        """
+        graph = self.graph
+        while run:
+            run_set = set(run)
+            capture = sorted({(c, nr) for n in run for c, nr in graph.children[n]
+                              if c not in run_set}, key=lambda e: (id(e[0]), e[1]))
+            captured = {c for c, _ in capture}
+            interior = [c for c in captured if c not in graph.boundary]
+            bad = captured & graph.descendants(interior)
+            if not bad:
+                return run, capture
+            # Leave out the nodes feeding ``bad`` and, with them, everything they feed.
+            out = {n for n in run if any(c in bad for c, _ in graph.children[n])}
+            queue = list(out)
+            while queue:
+                for child, _ in graph.children[queue.pop()]:
+                    if child in run_set and child not in out:
+                        out.add(child)
+                        queue.append(child)
+            run = [n for n in run if n not in out]
+        return None
+
+    def _run_alone(self, node: Any) -> None:
+        """Run one node by calling it directly: it feeds a node that still waits and
+        one of that node's descendants, which one native call cannot separate."""
+        if not callable(node):
+            raise RuntimeError(
+                f"lightning_distgrad cannot run {type(node).__name__} here: it feeds both a "
+                "tensor that still waits for gradients from another worker and nodes below "
+                "that tensor, and custom autograd.Function nodes cannot run outside the "
+                "native engine.")
+        slots = self.buffers.pop(node)
+        grads = node(*[slots.get(i) for i in range(len(node._input_metadata))])
+        if isinstance(grads, torch.Tensor):
+            grads = (grads,)
+        remaining = self.graph.remaining
+        for (child, nr), grad in zip(node.next_functions, grads, strict=True):
+            if child is None:
+                continue
+            if grad is not None:
+                if is_leaf_node(child) and (remaining[child] > 1 or child in self.buffers):
+                    self._hold_hooks(child)
+                self._add(child, nr, grad)
+            self._delivered(child)
+
+    def _hold_hooks_of_partial_leaves(self, captured: set, rem: dict) -> None:
+        """Leaf hooks must see the full gradient once: take them off partial leaves."""
+        for node in captured:
+            if is_leaf_node(node) and (rem[node] > 0 or node in self.buffers):
+                self._hold_hooks(node)
+
+    def _hold_hooks(self, leaf: Any) -> None:
+        """Take ``leaf``'s hooks off until its gradient is complete (see _run_held_hooks)."""
+        hooks = getattr(leaf.variable, "_backward_hooks", None)
+        if hooks and leaf not in self.held_hooks:
+            self.held_hooks[leaf] = dict(hooks)
+            hooks.clear()
+
+    # -- leaving the local graph ------------------------------------------------------
+
+    def _finalize_boundary(self, by_peer: dict[int, list]) -> None:
+        """Accumulate complete leaves; add finished recv functions' gradients to ``by_peer``."""
+        leaf_grads = []
+        remaining = self.graph.remaining
+        for node in self.graph.boundary:
+            if remaining[node] != 0 or node in self.finalized:
+                continue
+            self.finalized.add(node)
+            grads = self.buffers.pop(node, {})
+            if node in self.recv_ids:
+                peer, item = self._recv_gradients(node, grads)
+                by_peer.setdefault(peer, []).append(item)
+            else:
+                grad = self._run_held_hooks(node, grads.get(0))
+                if grad is not None:
+                    leaf_grads.append((node.variable, grad))
+        if leaf_grads:
+            self.ctx.accumulate(leaf_grads)
+
+    def _run_held_hooks(self, node: Any, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Give a leaf its hooks back, and run them on its (now full) gradient."""
+        hooks = self.held_hooks.pop(node, None)
+        if hooks is not None:
+            node.variable._backward_hooks.update(hooks)
+            if grad is not None:
+                for hook in hooks.values():
+                    result = hook(grad)
+                    grad = grad if result is None else result
+        return grad
+
+    def _recv_gradients(self, node: Any, grads: dict[int, torch.Tensor]) -> tuple[int, tuple]:
+        """(peer, (message id, one gradient or None per output)) for a finished recv function.
+
+        An output that got no gradient ships as absent, not as zeros: the tensors
+        behind it on the peer get no gradient from it, as in local autograd.
+        """
+        msg_id = self.recv_ids[node]
+        with self.ctx.lock:
+            peer = self.ctx.recv_peers[msg_id]
+            count = len(self.ctx.recv_meta[msg_id])
+        # Shipped through host memory: no device map needed for gradients.
+        full = [grads[i].cpu() if grads.get(i) is not None else None for i in range(count)]
+        return peer, (msg_id, full)
+
+    # -- state ----------------------------------------------------------------------
+
+    def complete(self) -> bool:
+        return not self.pending_sends and not self.buffers
+
+    def report(self, worker_id: int) -> tuple:
+        """(worker, sequence, sends still waiting) for the root's final check."""
+        with self.lock:
+            self.seq += 1
+            pending = [(mid, worker_id, self.ctx.send_peers.get(mid)) for mid in
+                       sorted(self.pending_sends)]
+            return (worker_id, self.seq, pending)
+
+    def waiting_recvs(self) -> list[int]:
+        """Message ids of the recv functions in this pass's graph not finished yet."""
+        with self.lock:
+            return [mid for node, mid in self.recv_ids.items()
+                    if node in self.graph.children and node not in self.finalized]
+
+    def close(self) -> None:
+        for node, hooks in self.held_hooks.items():
+            node.variable._backward_hooks.update(hooks)
+        self.held_hooks.clear()
+
+    # -- credit (root only) -----------------------------------------------------------
+
+    def return_credit(self, credit: Credit, report: tuple | None,
+                      error: BaseException | None) -> None:
+        """Credit back from a worker (with its report or error); all back: the round is over."""
+        with self.credit_lock:
+            if self.finished.done():
+                return  # timed out already
+            self.credit = add_credit(self.credit, credit)
+            if report is not None:
+                self.reports.append(report)
+            if error is not None and self.error is None:
+                self.error = error
+            if is_all_credit(self.credit):
+                self.finished.set_result(None)
+
+    def new_round(self) -> None:
+        """Start another round of credit (all the last one's is back)."""
+        with self.credit_lock:
+            self.credit = NO_CREDIT
+            self.finished = torch.futures.Future()
+
+    def expire(self, timeout: float) -> None:
+        """The pass ran past the RPC timeout: stop waiting for the credit still out."""
+        with self.credit_lock:
+            if not self.finished.done():
+                self.error = timeout_error(timeout)
+                self.finished.set_result(None)
