@@ -553,3 +553,63 @@ def test_package_import_registers_distgrad_without_importing_lightning():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# --- Routed remote experts (SMART distributed backward) ----------------------------------------
+
+
+class RoutedExperts(L.LightningModule):
+    """A local gate and two remote experts; every step runs both and uses the one its batch
+    routes to, so the other expert's RPC result reaches no loss (the SMART pass skips it)."""
+
+    def __init__(self, lr: float = 0.3):
+        super().__init__()
+        self.save_hyperparameters()
+        self.gate = nn.Sequential(nn.Linear(pipe_example.IN, pipe_example.HIDDEN), nn.Tanh())
+        self.expert0: nn.Module | None = None
+        self.expert1: nn.Module | None = None
+        self.route = 0
+
+    def configure_model(self) -> None:
+        if self.expert0 is None:
+            strategy = self.trainer.strategy
+            self.expert0, self.expert1 = (
+                strategy.remote_module(strategy.server_device(0), pipe_example.SecondHalf,
+                                       kwargs={"seed": seed}) for seed in (0, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gate(x)
+        outputs = [self.expert0(h), self.expert1(h)]
+        return outputs[self.route]
+
+    def training_step(self, batch, batch_idx):
+        self.route = batch_idx % 3 % 2  # expert 0, 1, 0, then 0, 1, 0, ...
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_routed_remote_experts_train_as_one_process_with_unused_experts_untouched(rpc_world):
+    data = pipeline_data(steps_per_epoch=3)
+    L.seed_everything(0, verbose=False)
+    trainer = make_trainer(max_epochs=1)
+    trainer.fit(RoutedExperts(), loader(data))
+    if trainer.strategy.is_server:
+        return
+    L.seed_everything(0, verbose=False)
+    reference = RoutedExperts()
+    reference.expert0, reference.expert1 = (pipe_example.SecondHalf(seed=s) for s in (0, 1))
+    optimizer = reference.configure_optimizers()
+    for index in range(3):
+        reference.route = index % 3 % 2
+        x, y = global_batch(data, index, num_trainers())
+        optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        # torch.optim skips a parameter whose .grad is None: the unused expert stays as it is.
+        assert all(p.grad is None for p in
+                   (reference.expert1 if reference.route == 0 else reference.expert0).parameters())
+        optimizer.step()
+    assert_states_close(distributed_state(trainer), reference.state_dict())
