@@ -41,20 +41,34 @@ def run_on_two_nodes(tmp_path: Path, *command: str, timeout_s: float,
     return run_job(argv, timeout_s=timeout_s, cwd=PACKAGE_ROOT, env=env)
 
 
-def node_facts(result: JobResult) -> list[dict]:
+def rank_outputs(folder: Path) -> list[str]:
+    """Each rank's output, by rank (see ``per_rank_output``)."""
+    files = [folder / f"rank{r}.out" for r in range(WORLD)]
+    return [p.read_text() if p.exists() else "<no output>" for p in files]
+
+
+def describe(result: JobResult, outputs: list[str]) -> str:
+    ranks = "\n".join(f"----- rank {r} -----\n{t[-6000:]}" for r, t in enumerate(outputs))
+    return f"{result.describe()}\n{ranks}"
+
+
+def node_facts(outputs: list[str]) -> list[dict]:
     """Each rank's facts from ``jobs/node_local.py``, by rank."""
-    lines = [ln.split(" ", 1)[1] for ln in result.output.splitlines()
-             if ln.startswith("NODE_FACTS ")]
-    facts = sorted((json.loads(ln) for ln in lines), key=lambda f: f["rank"])
-    assert [f["rank"] for f in facts] == list(range(WORLD)), result.describe()
+    facts = []
+    for rank, text in enumerate(outputs):
+        lines = [ln for ln in text.splitlines() if ln.startswith("NODE_FACTS ")]
+        assert len(lines) == 1, f"rank {rank}:\n{text}"
+        facts.append(json.loads(lines[0].split(" ", 1)[1]))
+    assert [f["rank"] for f in facts] == list(range(WORLD)), facts
     return facts
 
 
 def test_node_local_mechanisms_work_per_node(tmp_path):
     result = run_on_two_nodes(tmp_path, str(TESTS / "jobs" / "node_local.py"),
-                              timeout_s=NODE_FACTS_TIMEOUT_S)
-    assert result.code == 0, result.describe()
-    facts = node_facts(result)
+                              timeout_s=NODE_FACTS_TIMEOUT_S, per_rank_output=True)
+    outputs = rank_outputs(tmp_path)
+    assert result.code == 0, describe(result, outputs)
+    facts = node_facts(outputs)
     for f in facts:
         rank, node = f["rank"], f["rank"] // RANKS_PER_NODE
         same_node = [r for r in range(WORLD) if r // RANKS_PER_NODE == node]
@@ -92,10 +106,9 @@ def test_rpc_autograd_optimizer_and_fit_tests_pass_across_nodes(tmp_path):
         tmp_path, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
         "-o", "faulthandler_timeout=120", *files, timeout_s=SUITE_TIMEOUT_S,
         per_rank_output=True)
-    outputs = [(tmp_path / f"rank{r}.out") for r in range(WORLD)]
-    texts = [p.read_text() if p.exists() else "<no output>" for p in outputs]
-    report = "\n".join(f"----- rank {r} -----\n{t[-6000:]}" for r, t in enumerate(texts))
-    assert result.code == 0, f"{result.describe()}\n{report}"
+    texts = rank_outputs(tmp_path)
+    report = describe(result, texts)
+    assert result.code == 0, report
     passed = []
     for rank, text in enumerate(texts):
         counts = summary_counts(text)
