@@ -505,12 +505,16 @@ def test_fp16_mixed_precision_with_a_gradient_scaler_is_rejected(rpc_world):
 
 @pytest.mark.mpi(min_size=2)
 def test_devices_that_do_not_match_the_launch_are_rejected(rpc_world):
-    size = world()[1]
-    with pytest.raises(ValueError, match=rf"`devices={size + 3}`, but mpiexec started {size}"):
-        make_trainer(strategy="distgrad", devices=size + 3)
-    with pytest.raises(ValueError, match=r"`num_nodes=3`, but mpiexec started ranks on 1 node"):
-        make_trainer(num_nodes=3)
-    make_trainer(strategy="distgrad", devices=size)  # the launch itself is fine
+    # Per node: the job may span several nodes (tests/test_two_nodes.py).
+    env = MPIClusterEnvironment()
+    on_node, nodes = env.local_world_size, env.num_nodes
+    too_many = rf"`devices={on_node + 3}`, but mpiexec started {on_node}"
+    with pytest.raises(ValueError, match=too_many):
+        make_trainer(strategy="distgrad", devices=on_node + 3)
+    too_few = rf"`num_nodes={nodes + 2}`, but mpiexec started ranks on {nodes} node"
+    with pytest.raises(ValueError, match=too_few):
+        make_trainer(num_nodes=nodes + 2)
+    make_trainer(strategy="distgrad", devices=on_node)  # the launch itself is fine
 
 
 class TrainerHostedModel(pipe_example.PipelineModel):

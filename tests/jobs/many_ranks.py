@@ -1,0 +1,141 @@
+"""Job script: RPC, RRefs, distributed autograd and the optimizer on every rank of a big job.
+
+``tests/test_many_ranks.py`` runs it on 16 ranks (oversubscribed). Every rank calls
+every rank; RRefs travel creator -> owner -> third rank -> fourth rank; one backward
+pass runs through a chain of nested calls that visits every rank; a
+DistributedOptimizer steps one parameter per rank. Each result is compared with
+plain local torch. Before shutdown every rank must hold no distributed autograd
+context, no owner RRef and no pending request. Prints ``MANY_RANKS_OK <rank>`` per
+rank when all is well; any failure raises, which ends the job.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+
+import many_ranks_remote as remote
+import torch
+from mpi4py import MPI
+
+import lightning_distgrad.autograd as dist_autograd
+from lightning_distgrad import rpc
+from lightning_distgrad.optim import DistributedOptimizer
+
+#: Bound for asynchronous cleanup (context releases, RRef deletes) to settle.
+SETTLE_S = 60.0
+LR = 0.1
+
+
+def polite_barrier(comm: MPI.Comm) -> None:
+    """A barrier that sleeps while it waits: with more ranks than cores, a spinning
+    barrier steals the CPU the ranks still working need."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.001)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = SETTLE_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return predicate()
+        time.sleep(0.01)
+    return True
+
+
+def all_to_all(rank: int, world: int) -> None:
+    """Every rank calls every rank (itself too) at once."""
+    futures = [rpc.rpc_async(peer, remote.add_rank, (torch.full((2,), float(rank)),))
+               for peer in range(world)]
+    for peer, future in enumerate(futures):
+        got = future.wait()
+        assert torch.equal(got, torch.full((2,), float(rank + peer))), (peer, got)
+
+
+def rrefs_handed_around(rank: int, world: int) -> None:
+    """Rank r creates an RRef owned by r+1 and hands it to r+2, which fetches it and
+    forwards it to r+3, which fetches it too."""
+    owner, holder, last = ((rank + k) % world for k in (1, 2, 3))
+    rref = rpc.remote(owner, remote.made_by, (rank,))
+    assert rref.owner().id == owner and not rref.is_owner()
+    at_holder, at_last = rpc.rpc_sync(holder, remote.fetch_and_forward, (rref, last))
+    expected = torch.tensor([rank, owner])
+    assert torch.equal(at_holder, expected) and torch.equal(at_last, expected), (
+        at_holder, at_last)
+    assert torch.equal(rref.to_here(), expected)
+
+
+def backward_through_every_rank(world: int) -> None:
+    """Rank 0: a chain of ``world`` nested hops (ranks 0, 1, ..., world - 1, each
+    calling the next), differentiated with distributed autograd and locally."""
+    x0 = torch.linspace(-1.0, 1.0, 5)
+    x = x0.clone().requires_grad_()
+    with dist_autograd.context() as context_id:
+        y = rpc.rpc_sync(0, remote.hop, (x, world, world))
+        loss = (y * y).sum()
+        dist_autograd.backward(context_id, [loss])
+        grad = dist_autograd.get_gradients(context_id)[x]
+    local_x = x0.clone().requires_grad_()
+    local_y = local_x
+    for r in range(world):
+        local_y = remote.hop_step(local_y, r)
+    (local_y * local_y).sum().backward()
+    assert torch.allclose(y, local_y.detach()), (y, local_y)
+    assert torch.allclose(grad, local_x.grad), (grad, local_x.grad)
+
+
+def optimizer_over_every_rank(world: int) -> None:
+    """Rank 0: one DistributedOptimizer over one parameter per rank, one SGD step."""
+    params = [rpc.remote(r, remote.parameter) for r in range(world)]
+    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=LR)
+    scales = [1.0 + r / world for r in range(world)]
+    with dist_autograd.context() as context_id:
+        terms = [rpc.rpc_async(p.owner(), remote.parameter_loss, (p, s))
+                 for p, s in zip(params, scales, strict=True)]
+        loss = torch.stack([t.wait() for t in terms]).sum()
+        dist_autograd.backward(context_id, [loss])
+        optimizer.step(context_id)
+    local = [remote.initial_parameter(r).requires_grad_() for r in range(world)]
+    local_optimizer = torch.optim.SGD(local, lr=LR)
+    sum((p * s).pow(2).sum() for p, s in zip(local, scales, strict=True)).backward()
+    local_optimizer.step()
+    for r in range(world):
+        got = rpc.rpc_sync(r, remote.current_parameter)
+        assert torch.allclose(got, local[r].detach()), (r, got, local[r])
+
+
+def leftovers() -> dict[str, int]:
+    """What this rank still holds that cleanup must have released."""
+    rref_info = rpc._get_debug_info()
+    return {"contexts": dist_autograd._get_debug_info()["num_autograd_contexts"],
+            "owner_rrefs": rref_info["num_owner_rrefs"],
+            "pending_requests": rref_info["num_pending_requests"]}
+
+
+def main() -> None:
+    comm = MPI.COMM_WORLD.Dup()
+    rpc.init_rpc()
+    rank, world = rpc.get_worker_info().id, comm.Get_size()
+    all_to_all(rank, world)
+    polite_barrier(comm)
+    rrefs_handed_around(rank, world)
+    polite_barrier(comm)
+    if rank == 0:
+        backward_through_every_rank(world)
+        optimizer_over_every_rank(world)
+    gc.collect()  # drops the last user RRefs: their owners are told
+    polite_barrier(comm)  # every rank is done making calls
+    settled = wait_until(lambda: not any(leftovers().values()))
+    left = comm.allgather(leftovers())
+    polite_barrier(comm)  # nobody shuts down while another still reads its counts
+    assert settled and not any(any(v.values()) for v in left), (
+        f"left after cleanup, by rank: {dict(enumerate(left))}")
+    rpc.shutdown()
+    comm.Free()
+    print(f"MANY_RANKS_OK {rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
