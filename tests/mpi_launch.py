@@ -208,12 +208,12 @@ def _rename_prrte_logs(logs: str) -> None:
 
 
 def _slurm_libpmi2() -> str | None:
-    """Slurm's ``libpmi2.so`` (what Intel MPI needs under ``srun --mpi=pmi2``), if found."""
-    for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib",
-                   "/usr/lib/x86_64-linux-gnu/slurm", "/usr/lib64/slurm"):
-        candidate = Path(folder) / "libpmi2.so"
-        if candidate.exists():
-            return str(candidate)
+    """Slurm's ``libpmi2`` (what Intel MPI needs under ``srun --mpi=pmi2``), if found."""
+    for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib"):
+        for name in ("libpmi2.so", "libpmi2.so.0"):
+            candidate = Path(folder) / name
+            if candidate.exists():
+                return str(candidate)
     return None
 
 

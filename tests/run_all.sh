@@ -115,7 +115,8 @@ for n in $MPI_SIZES; do
     t0=$SECONDS
     rc=0
     "${LAUNCH[@]}" -n "$n" --logs "$LOGS/mpi$n" --timeout "$HANG_TIMEOUT" -- \
-        "$PYTHON" -m mpi4py -m pytest --with-mpi "${PYTEST_ARGS[@]}" "${TARGETS[@]}" "${EXTRA[@]}" \
+        "$PYTHON" -m mpi4py -m pytest --with-mpi --color=no "${PYTEST_ARGS[@]}" "${TARGETS[@]}" \
+        "${EXTRA[@]}" \
         || rc=$?
     took=$((SECONDS - t0))
     if [[ $rc -eq 0 || $rc -eq 5 ]]; then
