@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 
-from _job_runner import MPIEXEC, TESTS, clean_env
+from _job_runner import LAUNCHER, TESTS, clean_env
 
 #: Loopback addresses that hydra treats as two hosts (Linux routes all of 127/8 to lo).
 NODE_ADDRESSES = ("127.0.1.1", "127.0.1.2")
@@ -48,7 +48,7 @@ def mpiexec_two_nodes(ranks_per_node: int, *command: str,
     to a file of its own.
     """
     hosts = ",".join(f"{a}:{ranks_per_node}" for a in NODE_ADDRESSES)
-    argv = [MPIEXEC or "mpiexec", "-hosts", hosts, "-launcher", "ssh",
+    argv = [LAUNCHER.program, "-hosts", hosts, "-launcher", "ssh",
             "-launcher-exec", str(STAND_IN), "-n", str(ranks_per_node * len(NODE_ADDRESSES))]
     if output_pattern is not None:
         argv += ["-outfile-pattern", output_pattern, "-errfile-pattern", output_pattern]
@@ -64,15 +64,9 @@ def skip_reason() -> str | None:
         return "emulated nodes need root (unshare of UTS/IPC/mount namespaces, a tmpfs mount)"
     if shutil.which("unshare") is None:
         return "emulated nodes need `unshare` (util-linux)"
-    if MPIEXEC is None:
-        return "mpiexec not found"
-    try:
-        version = subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True,
-                                 timeout=PROBE_TIMEOUT_S).stdout
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"`{MPIEXEC} --version` failed: {e}"
-    if "HYDRA" not in version:
-        return f"emulated nodes need MPICH's hydra mpiexec; {MPIEXEC} is not hydra"
+    if LAUNCHER is None or LAUNCHER.kind != "hydra":
+        return ("emulated nodes need MPICH's hydra mpiexec; this interpreter's MPI is "
+                f"{LAUNCHER.describe() if LAUNCHER else 'missing'}")
     for address in NODE_ADDRESSES:
         with socket.socket() as s:
             try:

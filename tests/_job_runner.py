@@ -8,19 +8,19 @@ every process it started.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import mpi_launch
+
 import lightning_distgrad
 
-#: The mpiexec next to this interpreter (the venv's MPICH), else the one on PATH.
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+#: The launcher of this interpreter's MPI (hydra, Open MPI or srun), or None.
+LAUNCHER = mpi_launch.find_launcher()
 #: The tests folder (job scripts and the modules they import live here).
 TESTS = Path(__file__).resolve().parent
 #: The folder that holds the package under test; jobs import it from there.
@@ -30,21 +30,22 @@ TERM_GRACE_S = 10
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for a fresh job.
-
-    Drops the process-manager variables of any job this pytest runs inside (a nested
-    ``mpiexec`` must not join it), makes the job import the package this test imports,
-    and keeps each job to one thread per rank (the jobs oversubscribe the cores).
-    """
-    prefixes = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_", "OMPI_", "MPI_LOCAL")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(prefixes) and k != "MPIEXEC_TIMEOUT"}
+    """The environment for a fresh job (:func:`mpi_launch.job_env`: no variables of a job
+    this pytest runs inside, one thread per rank) that imports the package under test."""
+    env = mpi_launch.job_env()
     path = [str(PACKAGE_ROOT), *filter(None, env.get("PYTHONPATH", "").split(":"))]
     env["PYTHONPATH"] = ":".join(dict.fromkeys(path))
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
+
+
+def mpi_job(n: int, argv: Sequence[str], timeout_s: float, cwd: str | Path,
+            extra_env: Mapping[str, str] | None = None) -> JobResult:
+    """Run ``argv`` on ``n`` ranks under this interpreter's MPI launcher; the launcher
+    kills a hung job 5 s before ``timeout_s``, :func:`run_job` at ``timeout_s``."""
+    cmd, launch_env = mpi_launch.command(LAUNCHER, n, list(argv), timeout_s=int(timeout_s) - 5)
+    env = clean_env({**launch_env, **(extra_env or {})})
+    return run_job(cmd, timeout_s=timeout_s, cwd=cwd, env=env)
 
 
 @dataclass

@@ -11,19 +11,17 @@ import re
 import sys
 
 import pytest
-from _job_runner import MPIEXEC, TESTS, clean_env, run_job
+from _job_runner import LAUNCHER, TESTS, mpi_job
 
 RANKS = 16
 #: Oversubscribed 8:1 on two cores the job takes about 30 s; a hung one is killed.
 TIMEOUT_S = 240
 
 
-@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
+@pytest.mark.skipif(LAUNCHER is None, reason="no MPI launcher found")
 def test_rpc_rrefs_autograd_and_optimizer_on_16_ranks(tmp_path):
-    argv = [MPIEXEC, "-n", str(RANKS), sys.executable, "-m", "mpi4py",
-            str(TESTS / "jobs" / "many_ranks.py")]
-    env = clean_env({"TMPDIR": str(tmp_path), "MPIEXEC_TIMEOUT": str(TIMEOUT_S - 5)})
-    result = run_job(argv, timeout_s=TIMEOUT_S, cwd=tmp_path, env=env)
+    result = mpi_job(RANKS, [sys.executable, "-m", "mpi4py", str(TESTS / "jobs" / "many_ranks.py")],
+                     TIMEOUT_S, tmp_path, {"TMPDIR": str(tmp_path)})
     assert result.code == 0, result.describe()
     # Lines of different ranks may run together in the job's output: no line anchors.
     done = sorted(int(r) for r in re.findall(r"MANY_RANKS_OK (\d+)", result.output))

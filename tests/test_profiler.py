@@ -4,20 +4,17 @@ merged timeline of every rank."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _job_runner import LAUNCHER, mpi_job
 
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import profiler, rpc
 
 REPO = Path(__file__).resolve().parents[1]
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
 
 def double(x):
@@ -103,17 +100,14 @@ def test_the_merged_timeline_has_a_lane_per_worker_and_an_arrow_per_message(rpc_
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
+@pytest.mark.skipif(LAUNCHER is None, reason="no MPI launcher found")
 def test_the_profiled_lightning_pipeline_writes_a_timeline_of_both_ranks(tmp_path):
     """``examples/profile_pipeline.py`` as its users run it: a trace with the trainer's and
     the server's lanes, and its picture."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_"))}
-    env.update(OMP_NUM_THREADS="1", MPIEXEC_TIMEOUT="300")
-    argv = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py",
-            str(REPO / "examples" / "profile_pipeline.py"), "--out", str(tmp_path)]
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=330)
-    assert done.returncode == 0, done.stdout + done.stderr
+    result = mpi_job(2, [sys.executable, "-m", "mpi4py", str(REPO / "examples" /
+                                                          "profile_pipeline.py"),
+                         "--out", str(tmp_path)], 330, REPO)
+    assert result.code == 0, result.describe()
     with open(tmp_path / "pipeline_trace.json") as f:
         trace = json.load(f)
     spans = {(e["pid"], e["name"].split("#")[0]) for e in trace["traceEvents"]

@@ -16,8 +16,10 @@ def plot_timeline(trace_path: str | os.PathLike, out_path: str | os.PathLike) ->
         >>> # xdoctest: +SKIP
         >>> plot_timeline("trace.json", "timeline.png")
     """
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("drawing a timeline needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
