@@ -169,7 +169,9 @@ def _agent_pending(future, world):
 def fuzz_frames(seed: int, count: int) -> list[tuple[bytes, list]]:
     """Frames built from every field the format has, each mutated at random."""
     rng = random.Random(seed)
-    values = [None, 0, -1, 7, 2**40, "x", b"", b"\x80\x04junk", 1.5, (), (1, 2), [1], {},
+    # No value names a context of the sender's (ids from 0 up): a well-formed release of
+    # one would release it here, as a real one does.
+    values = [None, 0, -1, 7, 2**40, "x", b"", b"\x80\x04junk", 1.5, (), (1, 2), [-7], {},
               bytearray(4), (FLOAT32, (1,), 4, bytearray(4), "cpu")]
     frames = []
     for _ in range(count):
@@ -183,7 +185,7 @@ def fuzz_frames(seed: int, count: int) -> list[tuple[bytes, list]]:
         fields = [kind, rng.choice([-1, 10**9 + rng.randrange(1000), "id"]),
                   rng.choice([None, b"", b"\x80\x04N.", rng.randbytes(20)]),
                   rng.choice([(), (tuple(meta),), (tuple(meta), tuple(meta)), "m"]),
-                  rng.choice([None, (), (1,), (1, 2), "b"]),
+                  rng.choice([None, (), (-7,), (1, 2), "b"]),
                   rng.choice([(), ((1, 2),), "f"])]
         if rng.random() < 0.3:
             fields[rng.choice([0, 2, 3, 4, 5])] = rng.choice(values)
