@@ -129,33 +129,36 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     p = Pass(ctx, (cont.worker_id, next(_pass_ids)), retain_graph, edges)
     ctx.backward_pass = p
     involved: set[int] = set()  # workers a settling round asked about the pass
+    # The pass's gradient messages to this worker run on this thread, even those that
+    # come back before it waits: they are the work it waits for.
     try:
-        try:
-            messages = p.deliver_roots(edges, [torch.ones_like(r) for r in roots])
-        except Exception as e:
-            p.return_credit(ALL_CREDIT, None, _wrap_error(cont.worker_id, e))
-        else:
-            _ship(p, messages, ALL_CREDIT)
-        _wait_for_credit(p)
-        latest = _latest_reports(p.reports + [p.report(cont.worker_id)])
-        if p.error is None and not strict and any(latest.values()):
-            from ._smart import settle_waiting_sends
-            latest = settle_waiting_sends(p, latest, involved)
-        # Workers whose sends still wait for gradients (unused RPC results in a
-        # strict pass, or an error cut the pass short) or that a settling round
-        # asked hold state for the pass: end it there.
-        stuck = {w for w, pending in latest.items() if pending} | involved
-        stuck.discard(cont.worker_id)
-        for fut in [_core.invoke(w, _end_pass_here, (context_id, p.pass_id), None,
-                                 _core.UNSET_RPC_TIMEOUT, user_visible=False,
-                                 force_autograd=False) for w in sorted(stuck)]:
+        with _core.require_agent().waiting_for(p.pass_id):
             try:
-                _core.wait(fut)
-            except Exception:  # that worker's part ends with its context anyway
-                pass
-        if p.error is not None:
-            raise p.error
-        _check_all_sends_used(context_id, latest)
+                messages = p.deliver_roots(edges, [torch.ones_like(r) for r in roots])
+            except Exception as e:
+                p.return_credit(ALL_CREDIT, None, _wrap_error(cont.worker_id, e))
+            else:
+                _ship(p, messages, ALL_CREDIT)
+            _wait_for_credit(p)
+            latest = _latest_reports(p.reports + [p.report(cont.worker_id)])
+            if p.error is None and not strict and any(latest.values()):
+                from ._smart import settle_waiting_sends
+                latest = settle_waiting_sends(p, latest, involved)
+            # Workers whose sends still wait for gradients (unused RPC results in a
+            # strict pass, or an error cut the pass short) or that a settling round
+            # asked hold state for the pass: end it there.
+            stuck = {w for w, pending in latest.items() if pending} | involved
+            stuck.discard(cont.worker_id)
+            for fut in [_core.invoke(w, _end_pass_here, (context_id, p.pass_id), None,
+                                     _core.UNSET_RPC_TIMEOUT, user_visible=False,
+                                     force_autograd=False) for w in sorted(stuck)]:
+                try:
+                    _core.wait(fut)
+                except Exception:  # that worker's part ends with its context anyway
+                    pass
+            if p.error is not None:
+                raise p.error
+            _check_all_sends_used(context_id, latest)
     finally:
         _end_pass(ctx, p)
 

@@ -21,19 +21,20 @@ or response is lost (see ``_shutdown``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from . import _devices, _hooks
-from ._calls import Deadlines, Pending, UserFuture, future_done
+from ._calls import Deadlines, Pending, UserFuture, Waiter, future_done
 from ._errors import (
     is_async_function,
     not_importable,
@@ -54,33 +55,12 @@ from ._wire import (
     decode_payload,
     encode_payload,
 )
+from ._worker_info import WorkerInfo
 
 log = logging.getLogger("lightning_distgrad.rpc")
 
 #: Operators whose tensors are all at most this big run as QUICK_REQUESTs.
 QUICK_LIMIT_BYTES = 64 * 1024
-
-
-class WorkerInfo:
-    """The name and id (rank) of one worker, as in ``torch.distributed.rpc``."""
-
-    __slots__ = ("name", "id")
-
-    def __init__(self, name: str, id: int):  # noqa: A002 - torch's signature
-        self.name = name
-        self.id = id
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, WorkerInfo) and (self.name, self.id) == (other.name, other.id)
-
-    def __hash__(self) -> int:
-        return hash((self.name, self.id))
-
-    def __repr__(self) -> str:
-        return f"WorkerInfo(id={self.id}, name={self.name})"
-
-    def __reduce__(self):
-        return (WorkerInfo, (self.name, self.id))
 
 
 def _decode_and_call(payload: bytes, tensors: list, route: str) -> tuple[Callable, Any]:
@@ -115,8 +95,8 @@ class Agent:
         self._processed = 0  # frames whose handling ended (see counts)
         self._queued = 0  # requests waiting for a worker thread
         self._count_lock = threading.Lock()
-        # Threads waiting in wait_done for served one-way frames, by key.
-        self._waiters: dict[Any, int] = {}
+        # Threads that wait for served one-way frames, by waiter key (see waiting_for).
+        self._waiters: dict[Any, Waiter] = {}
         # Ranks that called graceful shutdown (JOIN frames received).
         self._joined: set[int] = set()
         self._joined_changed = threading.Condition()
@@ -266,10 +246,15 @@ class Agent:
         me = threading.get_ident()
         waiter = (self._waiters.get(spec.waiter_key(body)) if spec.waiter_key is not None
                   else None)
-        if waiter == me or (waiter is None and self.transport.is_progress_thread(me)):
+        if waiter is None:
+            if self.transport.is_progress_thread(me):
+                run()
+            else:
+                self._submit(run)
+        elif waiter.ident == me:
             run()
-        elif waiter is None or not self.transport.run_on_waiter(waiter, run):
-            self._submit(run)
+        elif not self.transport.run_on_waiter(waiter.ident, run):
+            waiter.hand_over(run)  # it runs once that thread waits (or stops waiting)
 
     def _serve_one_way(self, handler: Callable, source: int, body: Any, tensors: list) -> None:
         # Outside any context and with grad on: it may run on a user's thread.
@@ -452,29 +437,40 @@ class Agent:
             self.transport.drive_until(functools.partial(future_done, future))
         return future.wait()
 
+    @contextlib.contextmanager
+    def waiting_for(self, key: Any) -> Iterator[None]:
+        """Served one-way frames whose waiter key is ``key`` run on this thread from now
+        on: while it waits in :meth:`wait_done`, and those that come before or between
+        its waits are kept for it. Enter it before sending what they answer."""
+        waiter = self._waiters[key] = Waiter(threading.get_ident())
+        try:
+            yield
+        finally:
+            self._waiters.pop(key, None)
+            waiter.run_handed_over()  # handed over before it stopped: its work all the same
+
     def wait_done(self, future: torch.futures.Future, timeout: float, key: Any = None) -> bool:
         """Wait at most ``timeout`` s (<= 0: no limit) for ``future``; True if it is done.
 
-        Served one-way frames whose waiter key is ``key`` (not None) run on this thread
+        Served one-way frames for ``key`` (see :meth:`waiting_for`) run on this thread
         meanwhile: they are the work it waits for.
         """
-        if future.done():
-            return True
-        if timeout > 0:
-            deadline = time.monotonic() + timeout
-            done = lambda: future.done() or time.monotonic() >= deadline  # noqa: E731
-        else:
-            done = future.done
-        if key is not None:
-            self._waiters[key] = threading.get_ident()
-        try:
-            if not self.transport.drive_until(done):  # another thread polls
-                finished = threading.Event()
-                future.add_done_callback(lambda _: finished.set())
-                finished.wait(timeout if timeout > 0 else None)
-        finally:
-            if key is not None:
-                self._waiters.pop(key, None)
+        if key is not None and key not in self._waiters:
+            with self.waiting_for(key):
+                return self.wait_done(future, timeout, key)
+        waiter = self._waiters.get(key) if key is not None else None
+        if waiter is None or waiter.ident != threading.get_ident():
+            waiter = Waiter(threading.get_ident())  # nothing is handed to this one
+        deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
+
+        def done() -> bool:
+            waiter.run_handed_over()
+            return future.done() or time.monotonic() >= deadline
+
+        if not future.done() and not self.transport.drive_until(done):  # another polls
+            future.add_done_callback(lambda _: waiter.wake())
+            while not done():
+                waiter.sleep(deadline - time.monotonic())
         return future.done()
 
     def num_pending(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import heapq
 import threading
 import time
@@ -98,3 +99,33 @@ class Deadlines:
             self._on_expired(call_id)
         if rearm:
             self._transport.call_later(TIMEOUT_CHECK_S, self._expire)
+
+
+class Waiter:
+    """A thread that waits for served one-way frames, and the work handed to it."""
+
+    __slots__ = ("ident", "_work", "_wake")
+
+    def __init__(self, ident: int):
+        self.ident = ident
+        self._work: collections.deque = collections.deque()
+        self._wake = threading.Event()
+
+    def hand_over(self, fn: Callable[[], None]) -> None:
+        self._work.append(fn)
+        self._wake.set()
+
+    def run_handed_over(self) -> None:
+        while True:
+            try:
+                fn = self._work.popleft()
+            except IndexError:
+                return
+            fn()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def sleep(self, seconds: float) -> None:
+        self._wake.wait(max(0.0, seconds))
+        self._wake.clear()
