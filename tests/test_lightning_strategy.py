@@ -172,6 +172,15 @@ def assert_states_close(actual: dict, expected: dict, tol: float = TOL) -> None:
         assert diff <= tol, f"{key}: max abs difference {diff:.3g} > {tol}"
 
 
+def fit_seeded(model_class: type, data: TensorDataset) -> L.Trainer | None:
+    """Seed, build ``model_class()`` and fit it for one epoch; the trainer, or None on a
+    serving rank."""
+    L.seed_everything(0, verbose=False)
+    trainer = make_trainer(max_epochs=1)
+    trainer.fit(model_class(), loader(data))
+    return None if trainer.strategy.is_server else trainer
+
+
 def distributed_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     """The trained model's full state: local parameters and the remote ones, fetched."""
     return {k: v.detach().cpu() for k, v in trainer.strategy.lightning_module_state_dict().items()}
@@ -278,10 +287,8 @@ class ManualPipeline(pipe_example.PipelineModel):
 @pytest.mark.mpi(min_size=2)
 def test_manual_optimization_runs_each_training_step_in_a_context(rpc_world):
     data = pipeline_data(steps_per_epoch=3)
-    L.seed_everything(0, verbose=False)
-    trainer = make_trainer(max_epochs=1)
-    trainer.fit(ManualPipeline(), loader(data))
-    if trainer.strategy.is_server:
+    trainer = fit_seeded(ManualPipeline, data)
+    if trainer is None:
         return
     assert trainer.strategy.context_id is None
     L.seed_everything(0, verbose=False)
@@ -598,10 +605,8 @@ class RoutedExperts(L.LightningModule):
 @pytest.mark.mpi(min_size=2)
 def test_routed_remote_experts_train_as_one_process_with_unused_experts_untouched(rpc_world):
     data = pipeline_data(steps_per_epoch=3)
-    L.seed_everything(0, verbose=False)
-    trainer = make_trainer(max_epochs=1)
-    trainer.fit(RoutedExperts(), loader(data))
-    if trainer.strategy.is_server:
+    trainer = fit_seeded(RoutedExperts, data)
+    if trainer is None:
         return
     L.seed_everything(0, verbose=False)
     reference = RoutedExperts()
