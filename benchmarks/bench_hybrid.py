@@ -185,9 +185,13 @@ def trainer_loop(rank: int, plan: Plan, step_fn, fc: nn.Module) -> dict:
     polite_barrier(comm)
     t1 = time.perf_counter()
     cpu = CpuMeter.cores(cpu0, _state["meter"].sample()) if cpu0 is not None else None
-    return {"elapsed": t1 - (t0 if t0 is not None else t1), "samples": samples,
-            "losses": losses, "cpu": cpu,
-            "fc": {k: v.detach().clone() for k, v in fc.state_dict().items()}}
+    return {
+        "elapsed": t1 - (t0 if t0 is not None else t1),
+        "samples": samples,
+        "losses": losses,
+        "cpu": cpu,
+        "fc": {k: v.detach().clone() for k, v in fc.state_dict().items()},
+    }
 
 
 def make_step(model: nn.Module, rpc, dist_autograd, optimizer_cls, sync_fc: bool):
@@ -281,13 +285,19 @@ class Session:
 
             ports = self.comm.bcast((free_port(), free_port()) if self.rank == 0 else None, 0)
             if self.rank in TRAINERS:
-                dist.init_process_group("gloo", rank=self.rank, world_size=len(TRAINERS),
-                                        init_method=f"tcp://127.0.0.1:{ports[1]}")
+                dist.init_process_group(
+                    "gloo",
+                    rank=self.rank,
+                    world_size=len(TRAINERS),
+                    init_method=f"tcp://127.0.0.1:{ports[1]}",
+                )
             kwargs = {"_transports": ["uv"]} if self.backend == "tp_uv" else {}
             options = rpc.TensorPipeRpcBackendOptions(
-                init_method=f"tcp://127.0.0.1:{ports[0]}", **kwargs)
-            rpc.init_rpc(name, rank=self.rank, world_size=self.comm.Get_size(),
-                         rpc_backend_options=options)
+                init_method=f"tcp://127.0.0.1:{ports[0]}", **kwargs
+            )
+            rpc.init_rpc(
+                name, rank=self.rank, world_size=self.comm.Get_size(), rpc_backend_options=options
+            )
             self.trainer_fn = _run_trainer_torch
         self.rpc, self.RemoteModule = rpc, RemoteModule
         return self
@@ -295,16 +305,24 @@ class Session:
     def run(self, plan: Plan) -> dict:
         """On the master: a fresh model (table on ps, dense layers on the trainers), trained."""
         rpc = self.rpc
-        emb = self.RemoteModule("ps", ddp_rpc.SeededEmbeddingBag,
-                                args=(ddp_rpc.NUM_EMBEDDINGS, ddp_rpc.EMBEDDING_DIM),
-                                kwargs={"mode": "sum", "seed": plan.seed})
+        emb = self.RemoteModule(
+            "ps",
+            ddp_rpc.SeededEmbeddingBag,
+            args=(ddp_rpc.NUM_EMBEDDINGS, ddp_rpc.EMBEDDING_DIM),
+            kwargs={"mode": "sum", "seed": plan.seed},
+        )
         # No RPC timeout (0): the whole run is this call; torch's default 60 s is too short
         # for TensorPipe's spinning transport on a busy machine.
-        futs = [rpc.rpc_async(f"trainer{t}", self.trainer_fn, args=(emb, t, plan), timeout=0)
-                for t in TRAINERS]
+        futs = [
+            rpc.rpc_async(f"trainer{t}", self.trainer_fn, args=(emb, t, plan), timeout=0)
+            for t in TRAINERS
+        ]
         results = {"trainers": [f.wait() for f in futs]}
-        state = (rpc.rpc_sync("ps", _torch_state_dict, (emb.get_module_rref(),)) if self.torch
-                 else emb.remote_state_dict())
+        state = (
+            rpc.rpc_sync("ps", _torch_state_dict, (emb.get_module_rref(),))
+            if self.torch
+            else emb.remote_state_dict()
+        )
         results["emb.weight"] = state["weight"]
         return results
 
@@ -313,8 +331,9 @@ class Session:
             from lightning_distgrad.rpc._abort import abort_mpi_job
 
             traceback.print_exception(exc_type, exc, tb)
-            abort_mpi_job(f"bench_hybrid: {self.backend} failed on rank {self.rank}; "
-                          "aborting the job\n")
+            abort_mpi_job(
+                f"bench_hybrid: {self.backend} failed on rank {self.rank}; aborting the job\n"
+            )
         # Every rank waits here (sleeping) until the master is done: torch's graceful shutdown
         # gives up after its store timeout if others are still busy.
         polite_barrier(self.comm)
@@ -340,8 +359,9 @@ def check_against_reference(backend: str, results: dict, reference: dict) -> lis
     for t, r in enumerate(results["trainers"]):
         err = max(abs(a - b) for a, b in zip(r["losses"], reference["losses"][t], strict=True))
         if not err <= ATOL:
-            problems.append(f"{backend}: trainer{t}'s losses differ from the reference by "
-                            f"{err:.2e}")
+            problems.append(
+                f"{backend}: trainer{t}'s losses differ from the reference by {err:.2e}"
+            )
     return problems
 
 
@@ -354,8 +374,9 @@ def check_run(backend: str, results: dict) -> list[str]:
         first = statistics.mean(r["losses"][:20])
         last = statistics.mean(r["losses"][-20:])
         if not last < first:
-            problems.append(f"{backend}: trainer{t}'s loss did not go down ({first:.3f} -> "
-                            f"{last:.3f})")
+            problems.append(
+                f"{backend}: trainer{t}'s loss did not go down ({first:.3f} -> {last:.3f})"
+            )
     return problems
 
 
@@ -364,10 +385,15 @@ def measurement(results: dict) -> dict:
     elapsed = max(r["elapsed"] for r in trainers)
     samples = sum(r["samples"] for r in trainers)
     cpu = trainers[0]["cpu"] or {}
-    return {"samples_per_s": samples / elapsed, "elapsed_s": elapsed, "samples": samples,
-            "steps_per_trainer": len(trainers[0]["losses"]),
-            "job_cores": cpu.get("job_cores"), "foreign_cores": cpu.get("foreign_cores"),
-            "final_loss_mean_last20": [statistics.mean(r["losses"][-20:]) for r in trainers]}
+    return {
+        "samples_per_s": samples / elapsed,
+        "elapsed_s": elapsed,
+        "samples": samples,
+        "steps_per_trainer": len(trainers[0]["losses"]),
+        "job_cores": cpu.get("job_cores"),
+        "foreign_cores": cpu.get("foreign_cores"),
+        "final_loss_mean_last20": [statistics.mean(r["losses"][-20:]) for r in trainers],
+    }
 
 
 def fmt(x: float | None, spec: str = ".2f") -> str:
@@ -380,30 +406,54 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short runs (a few minutes in all)")
-    ap.add_argument("--torch", choices=("tp", "tp_uv"), default="tp",
-                    help="the torch stack: TensorPipe with default transports (tp) or with "
-                         "_transports=['uv'] (tp_uv); one per job (default tp)")
-    ap.add_argument("--rounds", type=int, default=None,
-                    help="timed runs of ours before and after torch's (torch gets twice as "
-                         "many); default 2, quick 1")
-    ap.add_argument("--steps", type=int, default=None,
-                    help="timed steps per trainer per run (default 200, quick 60)")
-    ap.add_argument("--warmup", type=int, default=None,
-                    help="untimed steps per run (default 20, quick 10)")
-    ap.add_argument("--no-check", dest="check", action="store_false",
-                    help="skip the lockstep correctness runs against the reference")
-    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
-                    help="before each timed run wait up to S s for other processes to go idle")
-    ap.add_argument("--tag", default=None,
-                    help="output file stem (default bench_hybrid[_uv][_quick])")
+    ap.add_argument(
+        "--torch",
+        choices=("tp", "tp_uv"),
+        default="tp",
+        help="the torch stack: TensorPipe with default transports (tp) or with "
+        "_transports=['uv'] (tp_uv); one per job (default tp)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed runs of ours before and after torch's (torch gets twice as "
+        "many); default 2, quick 1",
+    )
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per trainer per run (default 200, quick 60)",
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps per run (default 20, quick 10)"
+    )
+    ap.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="skip the lockstep correctness runs against the reference",
+    )
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="before each timed run wait up to S s for other processes to go idle",
+    )
+    ap.add_argument(
+        "--tag", default=None, help="output file stem (default bench_hybrid[_uv][_quick])"
+    )
     ap.add_argument("--timeout", type=float, default=1200, help="abort the job after this many s")
     args = ap.parse_args()
     rounds = args.rounds or (1 if args.quick else 2)
     steps = args.steps or (60 if args.quick else 200)
     warmup = args.warmup if args.warmup is not None else (10 if args.quick else 20)
     tp = args.torch
-    tag = args.tag or ("bench_hybrid" + ("_uv" if tp == "tp_uv" else "")
-                       + ("_quick" if args.quick else ""))
+    tag = args.tag or (
+        "bench_hybrid" + ("_uv" if tp == "tp_uv" else "") + ("_quick" if args.quick else "")
+    )
 
     warnings.filterwarnings("ignore")  # torch RPC / DistributedOptimizer deprecation noise
     torch.set_num_threads(1)
@@ -411,8 +461,11 @@ def main() -> int:
     rank, size = comm.Get_rank(), comm.Get_size()
     if size != 4:
         if rank == 0:
-            print("bench_hybrid needs 4 ranks: mpiexec -n 4 python -m mpi4py "
-                  "benchmarks/bench_hybrid.py", flush=True)
+            print(
+                "bench_hybrid needs 4 ranks: mpiexec -n 4 python -m mpi4py "
+                "benchmarks/bench_hybrid.py",
+                flush=True,
+            )
         return 2
 
     timer = start_watchdog(
@@ -430,10 +483,14 @@ def main() -> int:
             sys.stdout.flush()
 
     env = base_env() | {"loadavg_start": load_average()}
-    say(f"bench_hybrid: {env['host']}, {env['cpus']} CPUs, torch {env['torch']}, "
-        f"{env['mpi_library']}; load average {env['loadavg_start']}")
-    say(f"schedule: ours x{rounds}, {tp} x{2 * rounds}, ours x{rounds} timed runs of "
-        f"{warmup} + {steps} timed steps per trainer")
+    say(
+        f"bench_hybrid: {env['host']}, {env['cpus']} CPUs, torch {env['torch']}, "
+        f"{env['mpi_library']}; load average {env['loadavg_start']}"
+    )
+    say(
+        f"schedule: ours x{rounds}, {tp} x{2 * rounds}, ours x{rounds} timed runs of "
+        f"{warmup} + {steps} timed steps per trainer"
+    )
     t_start = time.perf_counter()
     problems: list[str] = []
     checks: dict = {}
@@ -454,9 +511,11 @@ def main() -> int:
                 found = check_against_reference(backend, session.run(check_plan), reference)
                 checks[backend] = found or "ok"
                 problems += found
-                say(f"check {backend:6s}: {'ok' if not found else 'FAIL'} ({check_plan.steps} "
+                say(
+                    f"check {backend:6s}: {'ok' if not found else 'FAIL'} ({check_plan.steps} "
                     "lockstep steps; final parameters and losses vs the single-process "
-                    "reference, within 1e-5)")
+                    "reference, within 1e-5)"
+                )
             for r in range(n):
                 quiet = wait_quiet_here(pids, args.wait_quiet)
                 results = session.run(plan)
@@ -465,10 +524,12 @@ def main() -> int:
                 runs.append(m)
                 found = check_run(backend, results)
                 problems += found
-                say(f"{backend:6s} {phase:6s} run {r}: {m['samples_per_s']:8.1f} samples/s "
+                say(
+                    f"{backend:6s} {phase:6s} run {r}: {m['samples_per_s']:8.1f} samples/s "
                     f"({m['samples']} samples in {m['elapsed_s']:.2f} s; job "
                     f"{fmt(m['job_cores'])} cores, others {fmt(m['foreign_cores'])} cores)"
-                    + ("" if not found else "  " + "; ".join(found)))
+                    + ("" if not found else "  " + "; ".join(found))
+                )
     timer.cancel()
     if trainers != MPI.COMM_NULL:
         trainers.Free()
@@ -477,8 +538,11 @@ def main() -> int:
 
     # Summary.
     def med(backend: str, phase: str | None = None) -> float:
-        return statistics.median(m["samples_per_s"] for m in runs if m["backend"] == backend
-                                 and (phase is None or m["phase"] == phase))
+        return statistics.median(
+            m["samples_per_s"]
+            for m in runs
+            if m["backend"] == backend and (phase is None or m["phase"] == phase)
+        )
 
     summary = {}
     for backend in ("ours", tp):
@@ -490,36 +554,65 @@ def main() -> int:
             "foreign_cores_median": statistics.median(m["foreign_cores"] or 0 for m in mine),
         }
     ratio = med("ours") / med(tp)
-    ratios = {f"ours/{tp}": {"ratio": ratio, "target": TARGET, "pass": ratio >= TARGET,
-                             "ours_before/torch": med("ours", "before") / med(tp),
-                             "ours_after/torch": med("ours", "after") / med(tp)}}
+    ratios = {
+        f"ours/{tp}": {
+            "ratio": ratio,
+            "target": TARGET,
+            "pass": ratio >= TARGET,
+            "ours_before/torch": med("ours", "before") / med(tp),
+            "ours_after/torch": med("ours", "after") / med(tp),
+        }
+    }
     lines = ["", f"{'stack':42s} {'samples/s':>10s} {'job cores':>10s} {'other cores':>12s}"]
     for backend in ("ours", tp):
         s_ = summary[backend]
-        lines.append(f"{LABELS[backend]:42s} {s_['samples_per_s_median']:10.1f} "
-                     f"{s_['job_cores_median']:10.2f} {s_['foreign_cores_median']:12.2f}")
+        lines.append(
+            f"{LABELS[backend]:42s} {s_['samples_per_s_median']:10.1f} "
+            f"{s_['job_cores_median']:10.2f} {s_['foreign_cores_median']:12.2f}"
+        )
     v = ratios[f"ours/{tp}"]
-    lines += ["", f"ours/{tp}: {ratio:.2f}x (ours before torch's runs "
-              f"{v['ours_before/torch']:.2f}x, after {v['ours_after/torch']:.2f}x); "
-              f"target >= {TARGET}x: " + ("PASS" if v["pass"] else "FAIL")]
+    lines += [
+        "",
+        f"ours/{tp}: {ratio:.2f}x (ours before torch's runs "
+        f"{v['ours_before/torch']:.2f}x, after {v['ours_after/torch']:.2f}x); "
+        f"target >= {TARGET}x: " + ("PASS" if v["pass"] else "FAIL"),
+    ]
     if problems:
         lines.append("")
         lines += [f"FAIL  {p}" for p in problems]
     else:
-        lines.append("checks: all passed ("
-                     + ("reference match in lockstep, " if args.check else "")
-                     + "identical dense layers on both trainers, loss going down)")
+        lines.append(
+            "checks: all passed ("
+            + ("reference match in lockstep, " if args.check else "")
+            + "identical dense layers on both trainers, loss going down)"
+        )
     env["loadavg_end"] = load_average()
-    lines.append(f"load average {env['loadavg_start']} -> {env['loadavg_end']}; "
-                 f"{time.perf_counter() - t_start:.0f} s")
+    lines.append(
+        f"load average {env['loadavg_start']} -> {env['loadavg_end']}; "
+        f"{time.perf_counter() - t_start:.0f} s"
+    )
     say("\n".join(lines))
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     out = RESULTS_DIR / f"{tag}.json"
-    out.write_text(json.dumps({
-        "command": "mpiexec -n 4 python -m mpi4py " + " ".join(sys.argv),
-        "env": env, "rounds": rounds, "warmup": warmup, "steps": steps, "torch": tp,
-        "checks": checks, "summary": summary, "ratios": ratios, "runs": runs,
-        "problems": problems, "report": lines}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "command": "mpiexec -n 4 python -m mpi4py " + " ".join(sys.argv),
+                "env": env,
+                "rounds": rounds,
+                "warmup": warmup,
+                "steps": steps,
+                "torch": tp,
+                "checks": checks,
+                "summary": summary,
+                "ratios": ratios,
+                "runs": runs,
+                "problems": problems,
+                "report": lines,
+            },
+            indent=1,
+        )
+    )
     say(f"wrote {out.relative_to(REPO)}")
     return 1 if problems else 0
 

@@ -270,12 +270,17 @@ class MinimalPython(Backend):
         pickler = pickle.Pickler(buf, pickle.HIGHEST_PROTOCOL)
         pickler.persistent_id = table_index
         pickler.dump(obj)
-        metas = [(t.dtype, t.shape, bytearray(t.numpy()) if t.nbytes <= self.INLINE_BYTES
-                  else None) for t in tensors]
+        metas = [
+            (t.dtype, t.shape, bytearray(t.numpy()) if t.nbytes <= self.INLINE_BYTES else None)
+            for t in tensors
+        ]
         raw = pickle.dumps((buf.getvalue(), metas), pickle.HIGHEST_PROTOCOL)
         requests = [self.wire.Isend([raw, MPI.BYTE], self.peer, self.TAG)]
-        requests += [self.wire.Isend(t.numpy(), self.peer, self.TAG + 1)
-                     for t, meta in zip(tensors, metas, strict=True) if meta[2] is None]
+        requests += [
+            self.wire.Isend(t.numpy(), self.peer, self.TAG + 1)
+            for t, meta in zip(tensors, metas, strict=True)
+            if meta[2] is None
+        ]
         MPI.Request.Waitall(requests)
 
     def _receive(self):
@@ -388,8 +393,12 @@ class TensorPipe(RpcBackend):
         return tensorpipe_kwargs(self.rpc, self.comm)
 
 
-BACKENDS: dict[str, type[Backend]] = {"mpi": RawMPI, "py": MinimalPython, "ours": Ours,
-                                      "tp": TensorPipe}
+BACKENDS: dict[str, type[Backend]] = {
+    "mpi": RawMPI,
+    "py": MinimalPython,
+    "ours": Ours,
+    "tp": TensorPipe,
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,8 +418,11 @@ def time_sizes(backend: Backend, plan: list[tuple[int, int, int]]) -> dict[int, 
         del result
         t0 = time.perf_counter()
         done = 0
-        while done < warmup or (backend.warm_for_s and done < 100 * warmup
-                                and time.perf_counter() - t0 < backend.warm_for_s):
+        while done < warmup or (
+            backend.warm_for_s
+            and done < 100 * warmup
+            and time.perf_counter() - t0 < backend.warm_for_s
+        ):
             backend.roundtrip(t)
             done += 1
         per_call = max(time.perf_counter() - t0, 1e-9) / max(done, 1)
@@ -573,7 +585,8 @@ def print_step(step: dict, name: str, sizes: list[int], t_start: float, again: b
         f"{head} init {fmt_time(step['init_s'])}, "
         f"{size_label(sizes[0])} {fmt_time(r[sizes[0]]['median'])}, "
         f"{size_label(sizes[-1])} {fmt_time(r[sizes[-1]]['median'])}"
-        + (f" (echo {fmt_time(r['echo']['median'])})" if r.get("echo") else "") + ", "
+        + (f" (echo {fmt_time(r['echo']['median'])})" if r.get("echo") else "")
+        + ", "
         f"idle CPU {step['idle_cpu']:.2f}, shutdown {fmt_time(step['shutdown_s'])}, "
         + load_note(step, again, t_start),
         flush=True,
@@ -605,8 +618,11 @@ def aggregate(steps0: list[dict], steps1: list[dict], names, sizes):
                 }
         b["rtt"] = rtt
         # The plain tensor round trip at the largest size (raw MPI's round trip is one).
-        echoes = [(steps0[i]["rtt"].get("echo") or steps0[i]["rtt"][sizes[-1]])["median"]
-                  for i in ok if sizes[-1] in steps0[i]["rtt"]]
+        echoes = [
+            (steps0[i]["rtt"].get("echo") or steps0[i]["rtt"][sizes[-1]])["median"]
+            for i in ok
+            if sizes[-1] in steps0[i]["rtt"]
+        ]
         b["echo"] = med(echoes) if echoes else None
         for key in ("after_quiet", "echo_small"):
             found = [steps0[i]["rtt"][key]["median"] for i in ok if steps0[i]["rtt"].get(key)]
@@ -665,18 +681,24 @@ def print_report(summary: dict, names: list[str], sizes: list[int], skipped: dic
     row += f"{ratio(echo.get('ours'), echo.get('tp')):>9}"
     row += f"{ratio(echo.get('ours'), echo.get('mpi')):>10}"
     p(row)
-    p("  (echo: rpc_sync(echo, (t,)) returns t unchanged, the tensor's plain round trip;"
-      " raw MPI's row above is one)")
+    p(
+        "  (echo: rpc_sync(echo, (t,)) returns t unchanged, the tensor's plain round trip;"
+        " raw MPI's row above is one)"
+    )
     small = {c: summary[c].get("echo_small") if have[c] else None for c in cols}
     row = f"{size_label(sizes[0]) + ' fn':>8} " + "".join(f"{fmt_time(small[c]):>13}" for c in cols)
     p(row + f"{ratio(small.get('ours'), small.get('tp')):>9}")
-    p(f"  (fn: rpc_sync(echo, ({size_label(sizes[0])} tensor,)), a Python function: "
-      "the path of user functions)")
+    p(
+        f"  (fn: rpc_sync(echo, ({size_label(sizes[0])} tensor,)), a Python function: "
+        "the path of user functions)"
+    )
     quiet = {c: summary[c].get("after_quiet") if have[c] else None for c in cols}
     row = f"{'quiet':>8} " + "".join(f"{fmt_time(quiet[c]):>13}" for c in cols)
     p(row + f"{ratio(quiet.get('ours'), quiet.get('tp')):>9}")
-    p(f"  (quiet: rpc_async(torch.add, ({size_label(sizes[0])} tensor, 1)).wait() after "
-      f"{QUIET_S * 1000:.0f} ms without traffic)")
+    p(
+        f"  (quiet: rpc_async(torch.add, ({size_label(sizes[0])} tensor, 1)).wait() after "
+        f"{QUIET_S * 1000:.0f} ms without traffic)"
+    )
     for name, why in skipped.items():
         p(f"  [{name} skipped: {why}]")
     p("")
@@ -722,8 +744,10 @@ def print_report(summary: dict, names: list[str], sizes: list[int], skipped: dic
     )
     r = rtt("py", tiny), rtt("tp", tiny), rtt("ours", tiny)
     if None not in r:
-        p(f"  info  {size_label(tiny)} RTT minimal Python/TP = {r[0] / r[1]:.3f} (the floor of "
-          f"any Python per-message path here); ours/minimal Python = {r[2] / r[0]:.2f}")
+        p(
+            f"  info  {size_label(tiny)} RTT minimal Python/TP = {r[0] / r[1]:.3f} (the floor of "
+            f"any Python per-message path here); ours/minimal Python = {r[2] / r[0]:.2f}"
+        )
     r = echo.get("ours"), echo.get("mpi")
     check(
         f"{size_label(big)} tensor round trip (echo) ours/raw MPI",
@@ -732,8 +756,10 @@ def print_report(summary: dict, names: list[str], sizes: list[int], skipped: dic
     )
     r = rtt("ours", big), rtt("mpi", big)
     if None not in r:
-        p(f"  info  {size_label(big)} RTT with the remote torch.add ours/raw MPI = "
-          f"{r[0] / r[1]:.3f} (raw MPI only echoes)")
+        p(
+            f"  info  {size_label(big)} RTT with the remote torch.add ours/raw MPI = "
+            f"{r[0] / r[1]:.3f} (raw MPI only echoes)"
+        )
     idle = None
     if have.get("ours"):
         idle = max(summary["ours"]["idle_cpu_rank0"], summary["ours"]["idle_cpu_rank1"])
@@ -780,8 +806,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="few iterations (< ~60 s)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    ap.add_argument("--backends", default="mpi,py,ours,tp",
-                    help="comma list of " + ",".join(BACKENDS))
+    ap.add_argument(
+        "--backends", default="mpi,py,ours,tp", help="comma list of " + ",".join(BACKENDS)
+    )
     ap.add_argument(
         "--idle-seconds",
         type=float,

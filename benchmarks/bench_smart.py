@@ -62,8 +62,9 @@ def note_iteration(t1, t2, strict: bool) -> None:
 
 def moe_iteration(gate, ws, x, allowed, strict: bool) -> None:
     with dist_autograd.context() as ctx:
-        loss = moe_loss(gate, ws, x, allowed,
-                        lambda i, x, w: rpc.rpc_sync(f"worker{1 + i % 2}", expert, (x, w)))
+        loss = moe_loss(
+            gate, ws, x, allowed, lambda i, x, w: rpc.rpc_sync(f"worker{1 + i % 2}", expert, (x, w))
+        )
         dist_autograd.backward(ctx, [loss], strict=strict)
         dist_autograd.get_gradients(ctx)
 
@@ -95,13 +96,19 @@ def run(iters: int) -> None:
     gate_all.requires_grad_(True)
     half = torch.tensor([True, False, True, False])
     cases = {
-        "note": {"smart": lambda: note_iteration(t1, t2, False),
-                 "strict": lambda: note_iteration(t1, t2, True)},
-        "moe-all": {"smart": lambda: moe_iteration(gate_all, ws, x_all, everyone, False),
-                    "strict": lambda: moe_iteration(gate_all, ws, x_all, everyone, True),
-                    "local": lambda: local_iteration(gate_all, ws, x_all, everyone)},
-        "moe-partial": {"smart": lambda: moe_iteration(gate, ws, x, half, False),
-                        "local": lambda: local_iteration(gate, ws, x, half)},
+        "note": {
+            "smart": lambda: note_iteration(t1, t2, False),
+            "strict": lambda: note_iteration(t1, t2, True),
+        },
+        "moe-all": {
+            "smart": lambda: moe_iteration(gate_all, ws, x_all, everyone, False),
+            "strict": lambda: moe_iteration(gate_all, ws, x_all, everyone, True),
+            "local": lambda: local_iteration(gate_all, ws, x_all, everyone),
+        },
+        "moe-partial": {
+            "smart": lambda: moe_iteration(gate, ws, x, half, False),
+            "local": lambda: local_iteration(gate, ws, x, half),
+        },
     }
     for name, variants in cases.items():
         samples: dict[str, list[float]] = {v: [] for v in variants}

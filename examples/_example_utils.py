@@ -38,8 +38,9 @@ def polite_barrier(comm: MPI.Comm) -> None:
 # Command lines and result dumps
 
 
-def steps_parser(doc: str, steps: int, lr: float, seed: int,
-                 dump_help: str) -> argparse.ArgumentParser:
+def steps_parser(
+    doc: str, steps: int, lr: float, seed: int, dump_help: str
+) -> argparse.ArgumentParser:
     """A parser with ``--steps``, ``--lr``, ``--seed``, ``--dump`` and ``--quiet``.
 
     Args:

@@ -45,11 +45,11 @@ class PrintLoss(L.Callback):
 
     @property
     def first(self) -> float:
-        return sum(self.losses[:self.window]) / len(self.losses[:self.window])
+        return sum(self.losses[: self.window]) / len(self.losses[: self.window])
 
     @property
     def last(self) -> float:
-        return sum(self.losses[-self.window:]) / len(self.losses[-self.window:])
+        return sum(self.losses[-self.window :]) / len(self.losses[-self.window :])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = trainer.callback_metrics.get("train_loss")
@@ -65,8 +65,9 @@ class PrintLoss(L.Callback):
         return self.first, self.last
 
 
-def loaders(make_dataset: Callable[..., Dataset], samples: int,
-            batch_size: int) -> tuple[DataLoader, DataLoader]:
+def loaders(
+    make_dataset: Callable[..., Dataset], samples: int, batch_size: int
+) -> tuple[DataLoader, DataLoader]:
     """Shuffled training batches of ``make_dataset(samples, seed=1)`` and validation batches
     of ``make_dataset(256, seed=2)``."""
     train = DataLoader(make_dataset(samples, seed=1), batch_size=batch_size, shuffle=True)

@@ -64,8 +64,9 @@ WORLD_SIZE = 4
 class SeededEmbeddingBag(nn.EmbeddingBag):
     """``nn.EmbeddingBag`` whose initial table (N(0, 1), torch's default) is drawn from ``seed``."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "sum",
-                 seed: int = SEED):
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, mode: str = "sum", seed: int = SEED
+    ):
         super().__init__(num_embeddings, embedding_dim, mode=mode)
         generator = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
@@ -118,8 +119,7 @@ class HybridModel(nn.Module):
     2) The sparse part is a RemoteModule holding an ``nn.EmbeddingBag`` on the parameter server.
     """
 
-    def __init__(self, remote_emb_module: RemoteModule, trainers: MPI.Intracomm,
-                 seed: int = SEED):
+    def __init__(self, remote_emb_module: RemoteModule, trainers: MPI.Intracomm, seed: int = SEED):
         super().__init__()
         self.remote_emb_module = remote_emb_module
         self.fc = ReplicatedModule(seeded_linear(EMBEDDING_DIM, NUM_CLASSES, seed), trainers)
@@ -135,9 +135,16 @@ class HybridModel(nn.Module):
 _trainers_comm: MPI.Intracomm | None = None
 
 
-def _run_trainer(remote_emb_module: RemoteModule, rank: int, epochs: int = EPOCHS,
-                 batches: int = BATCHES_PER_EPOCH, lr: float = LR, seed: int = SEED,
-                 lockstep: bool = True, verbose: bool = True) -> dict:
+def _run_trainer(
+    remote_emb_module: RemoteModule,
+    rank: int,
+    epochs: int = EPOCHS,
+    batches: int = BATCHES_PER_EPOCH,
+    lr: float = LR,
+    seed: int = SEED,
+    lockstep: bool = True,
+    verbose: bool = True,
+) -> dict:
     r"""Each trainer runs a forward pass which involves an embedding lookup on the parameter
     server and running ``nn.Linear`` locally. During the backward pass, distributed autograd
     propagates the gradients to the parameter server; ``sync_gradients`` then averages the
@@ -178,14 +185,22 @@ def _run_trainer(remote_emb_module: RemoteModule, rank: int, epochs: int = EPOCH
         if verbose:
             mean = sum(losses[-batches:]) / batches
             say(f"trainer{rank} epoch {epoch:3d} mean loss {mean:.4f}")
-    return {"losses": losses,
-            "fc": {k: v.detach().clone() for k, v in model.fc.module.state_dict().items()}}
+    return {
+        "losses": losses,
+        "fc": {k: v.detach().clone() for k, v in model.fc.module.state_dict().items()},
+    }
 
 
-def run_master(epochs: int = EPOCHS, batches: int = BATCHES_PER_EPOCH, lr: float = LR,
-               seed: int = SEED, lockstep: bool = True, verbose: bool = True,
-               ps: str = "ps", trainer_names: tuple[str, ...] = ("trainer0", "trainer1"),
-               ) -> dict:
+def run_master(
+    epochs: int = EPOCHS,
+    batches: int = BATCHES_PER_EPOCH,
+    lr: float = LR,
+    seed: int = SEED,
+    lockstep: bool = True,
+    verbose: bool = True,
+    ps: str = "ps",
+    trainer_names: tuple[str, ...] = ("trainer0", "trainer1"),
+) -> dict:
     """The master's part: create the table on ``ps``, train on both trainers, collect results.
 
     ``ps`` and ``trainer_names`` are the workers' names (the trainers must have set their
@@ -204,21 +219,29 @@ def run_master(epochs: int = EPOCHS, batches: int = BATCHES_PER_EPOCH, lr: float
     futs = []
     for trainer_rank, trainer_name in zip(TRAINERS, trainer_names, strict=True):
         # No RPC timeout: the whole training runs in this call (the default is 60 s).
-        fut = rpc.rpc_async(trainer_name, _run_trainer,
-                            args=(remote_emb_module, trainer_rank, epochs, batches, lr, seed,
-                                  lockstep, verbose), timeout=0)
+        fut = rpc.rpc_async(
+            trainer_name,
+            _run_trainer,
+            args=(remote_emb_module, trainer_rank, epochs, batches, lr, seed, lockstep, verbose),
+            timeout=0,
+        )
         futs.append(fut)
     # Wait for all training to finish.
     results = [fut.wait() for fut in futs]
     params = {"emb.weight": remote_emb_module.remote_state_dict()["weight"]}
     params.update({f"fc.{k}": v for k, v in results[0]["fc"].items()})
-    return {"losses": [r["losses"] for r in results], "params": params,
-            "fc_equal": all(torch.equal(results[0]["fc"][k], r["fc"][k])
-                            for r in results for k in r["fc"])}
+    return {
+        "losses": [r["losses"] for r in results],
+        "params": params,
+        "fc_equal": all(
+            torch.equal(results[0]["fc"][k], r["fc"][k]) for r in results for k in r["fc"]
+        ),
+    }
 
 
-def reference(epochs: int = EPOCHS, batches: int = BATCHES_PER_EPOCH, lr: float = LR,
-              seed: int = SEED) -> dict:
+def reference(
+    epochs: int = EPOCHS, batches: int = BATCHES_PER_EPOCH, lr: float = LR, seed: int = SEED
+) -> dict:
     """The same training on one process, plain ``torch.autograd`` and ``torch.optim.SGD``.
 
     Every step: each trainer's loss and gradients at the same parameters; the dense layer's
@@ -248,8 +271,11 @@ def reference(epochs: int = EPOCHS, batches: int = BATCHES_PER_EPOCH, lr: float 
             emb.weight.grad = None
             fc.weight.grad, fc.bias.grad = fc_grads
             opt.step()
-    final = {"emb.weight": emb.weight.detach().clone(), "fc.weight": fc.weight.detach().clone(),
-             "fc.bias": fc.bias.detach().clone()}
+    final = {
+        "emb.weight": emb.weight.detach().clone(),
+        "fc.weight": fc.weight.detach().clone(),
+        "fc.bias": fc.bias.detach().clone(),
+    }
     return {"losses": losses, "params": final}
 
 
@@ -259,9 +285,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches-per-epoch", type=int, default=BATCHES_PER_EPOCH)
     parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument("--seed", type=int, default=SEED)
-    parser.add_argument("--no-lockstep", dest="lockstep", action="store_false",
-                        help="no barrier between the trainers' steps (as the tutorial; "
-                             "not reproducible)")
+    parser.add_argument(
+        "--no-lockstep",
+        dest="lockstep",
+        action="store_false",
+        help="no barrier between the trainers' steps (as the tutorial; not reproducible)",
+    )
     parser.add_argument("--dump", help="write the losses and final parameters (JSON) here")
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
     return parser.parse_args(argv)
@@ -276,8 +305,14 @@ def run_worker(args: argparse.Namespace) -> dict | None:
     result = None
     if rank == MASTER:
         rpc.init_rpc("master")
-        result = run_master(args.epochs, args.batches_per_epoch, args.lr, args.seed,
-                            args.lockstep, verbose=not args.quiet)
+        result = run_master(
+            args.epochs,
+            args.batches_per_epoch,
+            args.lr,
+            args.seed,
+            args.lockstep,
+            verbose=not args.quiet,
+        )
     elif rank in TRAINERS:
         _trainers_comm = trainers
         rpc.init_rpc(f"trainer{rank}")
@@ -296,20 +331,29 @@ def run_worker(args: argparse.Namespace) -> dict | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if MPI.COMM_WORLD.Get_size() != WORLD_SIZE:
-        print("run with 4 ranks: mpiexec -n 4 python -m mpi4py examples/ddp_rpc.py",
-              file=sys.stderr)
+        print(
+            "run with 4 ranks: mpiexec -n 4 python -m mpi4py examples/ddp_rpc.py", file=sys.stderr
+        )
         return 2
     result = run_worker(args)
     if result is not None:
         for t, losses in enumerate(result["losses"]):
             b = args.batches_per_epoch
-            say(f"trainer{t}: mean loss of the first epoch {sum(losses[:b]) / b:.4f}, "
-                f"of the last epoch {sum(losses[-b:]) / b:.4f} ({len(losses)} steps)")
+            say(
+                f"trainer{t}: mean loss of the first epoch {sum(losses[:b]) / b:.4f}, "
+                f"of the last epoch {sum(losses[-b:]) / b:.4f} ({len(losses)} steps)"
+            )
         say(f"master: dense layer identical on both trainers: {result['fc_equal']}")
         if args.dump:
-            write_json(args.dump, {"args": vars(args), "losses": result["losses"],
-                                   "fc_equal": result["fc_equal"],
-                                   "params": tensors_to_lists(result["params"])})
+            write_json(
+                args.dump,
+                {
+                    "args": vars(args),
+                    "losses": result["losses"],
+                    "fc_equal": result["fc_equal"],
+                    "params": tensors_to_lists(result["params"]),
+                },
+            )
     return 0
 
 

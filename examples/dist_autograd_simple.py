@@ -53,17 +53,27 @@ def initial_values(rank: int, seed: int = SEED) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(base + 7)
     w = torch.rand(SHAPE, generator=generator)
     target = 2 * torch.rand(SHAPE, generator=generator)
-    return {"t1": random_tensor(base + 1).detach(), "t2": random_tensor(base + 2).detach(),
-            "w": w, "target": target}
+    return {
+        "t1": random_tensor(base + 1).detach(),
+        "t2": random_tensor(base + 2).detach(),
+        "w": w,
+        "target": target,
+    }
 
 
-def loss_fn(t1: torch.Tensor, t2: torch.Tensor, w: torch.Tensor,
-            target: torch.Tensor) -> torch.Tensor:
+def loss_fn(
+    t1: torch.Tensor, t2: torch.Tensor, w: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
     return ((t1 * w + t2 - target) ** 2).sum()
 
 
-def train(steps: int = STEPS, lr: float = LR, seed: int = SEED, dst: str | None = None,
-          verbose: bool = True) -> dict:
+def train(
+    steps: int = STEPS,
+    lr: float = LR,
+    seed: int = SEED,
+    dst: str | None = None,
+    verbose: bool = True,
+) -> dict:
     """Train this worker's problem; its remote tensors live on ``dst``.
 
     Call after ``rpc.init_rpc`` on every worker (they train at the same time). ``dst``
@@ -100,8 +110,11 @@ def train(steps: int = STEPS, lr: float = LR, seed: int = SEED, dst: str | None 
         if verbose:
             say(f"{me.name} step {step:3d} loss {loss.item():.6f}")
 
-    params = {"t1": rref1.to_here().detach().clone(), "t2": rref2.to_here().detach().clone(),
-              "w": w.detach().clone()}
+    params = {
+        "t1": rref1.to_here().detach().clone(),
+        "t2": rref2.to_here().detach().clone(),
+        "w": w.detach().clone(),
+    }
     return {"losses": losses, "params": params}
 
 
@@ -127,20 +140,29 @@ def to_json(result: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = steps_parser(__doc__, STEPS, LR, SEED,
-                        dump_help="write every rank's losses and parameters (JSON) here",
-                        ).parse_args(argv)
+    args = steps_parser(
+        __doc__,
+        STEPS,
+        LR,
+        SEED,
+        dump_help="write every rank's losses and parameters (JSON) here",
+    ).parse_args(argv)
     comm = MPI.COMM_WORLD
     if comm.Get_size() < 2:
-        print("run with at least 2 ranks: mpiexec -n 2 python -m mpi4py "
-              "examples/dist_autograd_simple.py", file=sys.stderr)
+        print(
+            "run with at least 2 ranks: mpiexec -n 2 python -m mpi4py "
+            "examples/dist_autograd_simple.py",
+            file=sys.stderr,
+        )
         return 2
     rpc.init_rpc(f"worker{comm.Get_rank()}")
     result = train(args.steps, args.lr, args.seed, verbose=not args.quiet)
     rpc.shutdown()  # waits for the other worker, which still uses our tensors
     losses = result["losses"]
-    say(f"worker{comm.Get_rank()}: loss {losses[0]:.6f} -> {losses[-1]:.6f} "
-        f"after {len(losses)} steps")
+    say(
+        f"worker{comm.Get_rank()}: loss {losses[0]:.6f} -> {losses[-1]:.6f} "
+        f"after {len(losses)} steps"
+    )
     everyone = comm.gather(to_json(result), root=0)
     if args.dump and comm.Get_rank() == 0:
         write_json(args.dump, {"args": vars(args), "ranks": everyone})

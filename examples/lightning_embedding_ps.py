@@ -61,8 +61,9 @@ class EmbeddingPSModel(L.LightningModule):
 
     def make_remote(self) -> None:
         strategy = self.trainer.strategy
-        self.emb = strategy.remote_module(strategy.server_device(0), SeededEmbeddingBag,
-                                          args=(VOCAB, DIM, self.hparams.seed))
+        self.emb = strategy.remote_module(
+            strategy.server_device(0), SeededEmbeddingBag, args=(VOCAB, DIM, self.hparams.seed)
+        )
 
     def configure_model(self) -> None:
         if self.emb is None:  # configure_model runs again for every fit/validate/test

@@ -45,8 +45,9 @@ class SecondHalf(nn.Module):
             for layer in (self.net[0], self.net[2]):
                 bound = layer.in_features**-0.5
                 for param in (layer.weight, layer.bias):
-                    param.copy_(torch.empty_like(param).uniform_(-bound, bound,
-                                                                  generator=generator))
+                    param.copy_(
+                        torch.empty_like(param).uniform_(-bound, bound, generator=generator)
+                    )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -72,8 +73,9 @@ class PipelineModel(L.LightningModule):
 
     def make_remote(self) -> None:
         strategy = self.trainer.strategy
-        self.second = strategy.remote_module(strategy.server_device(0), SecondHalf,
-                                             kwargs={"seed": self.hparams.seed})
+        self.second = strategy.remote_module(
+            strategy.server_device(0), SecondHalf, kwargs={"seed": self.hparams.seed}
+        )
 
     def configure_model(self) -> None:
         if self.second is None:  # configure_model runs again for every fit/validate/test

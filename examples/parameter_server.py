@@ -115,8 +115,14 @@ def get_layer_rrefs(seed: int) -> list[rpc.RRef]:
 # On a trainer
 
 
-def train(trainers: MPI.Intracomm, steps: int = STEPS, lr: float = LR, seed: int = SEED,
-          ps: str = "ps", verbose: bool = True) -> dict:
+def train(
+    trainers: MPI.Intracomm,
+    steps: int = STEPS,
+    lr: float = LR,
+    seed: int = SEED,
+    ps: str = "ps",
+    verbose: bool = True,
+) -> dict:
     """Run trainer ``trainers.Get_rank()``'s loop; every trainer calls it (after ``init_rpc``).
 
     Args:
@@ -132,7 +138,8 @@ def train(trainers: MPI.Intracomm, steps: int = STEPS, lr: float = LR, seed: int
     layers = [RemoteModule.init_from_module_rref(ps, rref) for rref in rrefs]
     model = Net(*layers)
     opt = DistributedOptimizer(
-        optim.SGD, [p for layer in layers for p in layer.remote_parameters()], lr=lr)
+        optim.SGD, [p for layer in layers for p in layer.remote_parameters()], lr=lr
+    )
     data = batches(me, seed)
 
     losses = []
@@ -183,14 +190,20 @@ def reference(num_trainers: int, steps: int = STEPS, lr: float = LR, seed: int =
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = steps_parser(__doc__, STEPS, LR, SEED,
-                        dump_help="write the losses and final parameters (JSON) here",
-                        ).parse_args(argv)
+    args = steps_parser(
+        __doc__,
+        STEPS,
+        LR,
+        SEED,
+        dump_help="write the losses and final parameters (JSON) here",
+    ).parse_args(argv)
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     if size < 2:
-        print("run with at least 2 ranks: mpiexec -n 3 python -m mpi4py "
-              "examples/parameter_server.py", file=sys.stderr)
+        print(
+            "run with at least 2 ranks: mpiexec -n 3 python -m mpi4py examples/parameter_server.py",
+            file=sys.stderr,
+        )
         return 2
     is_trainer = rank < size - 1
     trainers = world.Split(0 if is_trainer else MPI.UNDEFINED, rank)
@@ -198,12 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     if is_trainer:
         result = train(trainers, args.steps, args.lr, args.seed, verbose=not args.quiet)
         losses = result["losses"]
-        say(f"trainer{rank}: loss {losses[0]:.6f} -> {losses[-1]:.6f} after {len(losses)} "
-            "steps")
+        say(f"trainer{rank}: loss {losses[0]:.6f} -> {losses[-1]:.6f} after {len(losses)} steps")
         all_losses = trainers.gather(losses, root=0)
         if args.dump and rank == 0:
-            write_json(args.dump, {"args": vars(args), "losses": all_losses,
-                                   "params": tensors_to_lists(result["params"])})
+            write_json(
+                args.dump,
+                {
+                    "args": vars(args),
+                    "losses": all_losses,
+                    "params": tensors_to_lists(result["params"]),
+                },
+            )
         trainers.Free()
     # The server only answers RPCs; shutdown returns once every rank is done.
     rpc.shutdown()

@@ -31,9 +31,12 @@ def _register() -> None:
     try:
         importlib.import_module("lightning_distgrad.lightning.strategy")
     except Exception as e:  # never break `import lightning` because of this package
-        warnings.warn(f"lightning_distgrad could not register strategy='distgrad' with"
-                      f" Lightning ({type(e).__name__}: {e}). HINT: pass"
-                      " `strategy=DistAutogradStrategy(...)` instead.", stacklevel=2)
+        warnings.warn(
+            f"lightning_distgrad could not register strategy='distgrad' with"
+            f" Lightning ({type(e).__name__}: {e}). HINT: pass"
+            " `strategy=DistAutogradStrategy(...)` instead.",
+            stacklevel=2,
+        )
 
 
 class _RegisteringLoader(importlib.abc.Loader):

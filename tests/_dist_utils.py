@@ -28,8 +28,9 @@ SETTLE_TIMEOUT_S = 30.0
 # Waiting and collectives
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = SETTLE_TIMEOUT_S,
-               interval: float = 0.005) -> bool:
+def wait_until(
+    predicate: Callable[[], bool], timeout: float = SETTLE_TIMEOUT_S, interval: float = 0.005
+) -> bool:
     """Poll ``predicate`` until it is true or ``timeout`` passes; returns its last value."""
     deadline = time.monotonic() + timeout
     while True:
@@ -67,11 +68,13 @@ def assert_no_backward_pass_anywhere(world, timeout: float = 10.0) -> None:
     wait_until(lambda: debug_info()["num_current_backward_passes"] == 0, timeout)
     counts = exchange(world, debug_info()["num_current_backward_passes"])
     assert counts == [0] * world.size, (
-        f"backward passes still running, per rank: {counts} (rank {world.rank} asks)")
+        f"backward passes still running, per rank: {counts} (rank {world.rank} asks)"
+    )
 
 
-def assert_contexts_released(world, context_ids: Sequence[int],
-                             timeout: float = SETTLE_TIMEOUT_S) -> None:
+def assert_contexts_released(
+    world, context_ids: Sequence[int], timeout: float = SETTLE_TIMEOUT_S
+) -> None:
     """Every rank waits (bounded) until it holds none of ``context_ids``; a collective."""
     world.barrier()
     ids = list(context_ids)
@@ -148,8 +151,9 @@ def local_grads(forward: Callable, *leaves: torch.Tensor) -> list[torch.Tensor |
     return [c.grad for c in clones]
 
 
-def assert_grads_match(grads: dict, leaves: Sequence[torch.Tensor],
-                       expected: Sequence[torch.Tensor | None]) -> None:
+def assert_grads_match(
+    grads: dict, leaves: Sequence[torch.Tensor], expected: Sequence[torch.Tensor | None]
+) -> None:
     """torch's ``_verify_backwards``: the leaves with a local grad, and nothing else."""
     with_grad = 0
     for i, (leaf, exp) in enumerate(zip(leaves, expected, strict=True)):
@@ -160,11 +164,13 @@ def assert_grads_match(grads: dict, leaves: Sequence[torch.Tensor],
         assert leaf in grads, f"leaf {i} is missing from get_gradients()"
         torch.testing.assert_close(grads[leaf], exp, msg=lambda m, i=i: f"leaf {i}: {m}")
     assert len(grads) == with_grad, (
-        f"get_gradients() has extra entries: {len(grads)} != {with_grad}")
+        f"get_gradients() has extra entries: {len(grads)} != {with_grad}"
+    )
 
 
-def check_against_local(forward: Callable, mode: ExecMode, dst, *leaves: torch.Tensor,
-                        retain_graph: bool = False) -> dict:
+def check_against_local(
+    forward: Callable, mode: ExecMode, dst, *leaves: torch.Tensor, retain_graph: bool = False
+) -> dict:
     """``forward`` via ``mode`` inside a context, backward, compare with local autograd."""
     expected = local_grads(forward, *leaves)
     with dist_autograd.context() as context_id:
@@ -211,7 +217,6 @@ def torch_ones(shape, requires_grad=False):
 def owner_grad(context_id: int, rref) -> torch.Tensor | None:
     """On the RRef's owner: the gradient of its value in ``context_id`` (None if absent)."""
     return dist_autograd.get_gradients(context_id).get(rref.local_value())
-
 
 
 # ---------------------------------------------------------------------------

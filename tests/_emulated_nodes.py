@@ -39,8 +39,9 @@ def node_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return clean_env({"HYDRA_LAUNCHER_AUTOFORK": "0", "FAKE_NODE_NAMES": names, **(extra or {})})
 
 
-def mpiexec_two_nodes(ranks_per_node: int, *command: str,
-                      output_pattern: str | None = None) -> list[str]:
+def mpiexec_two_nodes(
+    ranks_per_node: int, *command: str, output_pattern: str | None = None
+) -> list[str]:
     """``mpiexec`` that starts ``ranks_per_node`` ranks of ``command`` on each node.
 
     Ranks are placed in blocks: node ``k`` runs ranks ``k * ranks_per_node`` and up.
@@ -48,8 +49,17 @@ def mpiexec_two_nodes(ranks_per_node: int, *command: str,
     to a file of its own.
     """
     hosts = ",".join(f"{a}:{ranks_per_node}" for a in NODE_ADDRESSES)
-    argv = [LAUNCHER.program, "-hosts", hosts, "-launcher", "ssh",
-            "-launcher-exec", str(STAND_IN), "-n", str(ranks_per_node * len(NODE_ADDRESSES))]
+    argv = [
+        LAUNCHER.program,
+        "-hosts",
+        hosts,
+        "-launcher",
+        "ssh",
+        "-launcher-exec",
+        str(STAND_IN),
+        "-n",
+        str(ranks_per_node * len(NODE_ADDRESSES)),
+    ]
     if output_pattern is not None:
         argv += ["-outfile-pattern", output_pattern, "-errfile-pattern", output_pattern]
     return [*argv, *command]
@@ -65,8 +75,10 @@ def skip_reason() -> str | None:
     if shutil.which("unshare") is None:
         return "emulated nodes need `unshare` (util-linux)"
     if LAUNCHER is None or LAUNCHER.kind != "hydra":
-        return ("emulated nodes need MPICH's hydra mpiexec; this interpreter's MPI is "
-                f"{LAUNCHER.describe() if LAUNCHER else 'missing'}")
+        return (
+            "emulated nodes need MPICH's hydra mpiexec; this interpreter's MPI is "
+            f"{LAUNCHER.describe() if LAUNCHER else 'missing'}"
+        )
     for address in NODE_ADDRESSES:
         with socket.socket() as s:
             try:
@@ -87,12 +99,18 @@ def _probe_stand_in() -> str | None:
     try:
         proc = subprocess.run(
             [str(STAND_IN), NODE_ADDRESSES[0], f"hostname && test ! -e {marker}"],
-            env=node_env(), capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+            env=node_env(),
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"the ssh stand-in {STAND_IN.name} did not run: {e}"
     finally:
         os.unlink(marker)
     if proc.returncode != 0 or proc.stdout.strip() != NODE_NAMES[0]:
-        return (f"namespaces are not allowed here ({STAND_IN.name} exited with"
-                f" {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()})")
+        return (
+            f"namespaces are not allowed here ({STAND_IN.name} exited with"
+            f" {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()})"
+        )
     return None

@@ -39,8 +39,13 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def mpi_job(n: int, argv: Sequence[str], timeout_s: float, cwd: str | Path,
-            extra_env: Mapping[str, str] | None = None) -> JobResult:
+def mpi_job(
+    n: int,
+    argv: Sequence[str],
+    timeout_s: float,
+    cwd: str | Path,
+    extra_env: Mapping[str, str] | None = None,
+) -> JobResult:
     """Run ``argv`` on ``n`` ranks under this interpreter's MPI launcher; the launcher
     kills a hung job 5 s before ``timeout_s``, :func:`run_job` at ``timeout_s``."""
     cmd, launch_env = mpi_launch.command(LAUNCHER, n, list(argv), timeout_s=int(timeout_s) - 5)
@@ -67,12 +72,20 @@ class JobResult:
         return f"{' '.join(self.argv)}\n{ended} after {self.seconds:.1f} s. Output:\n{self.output}"
 
 
-def run_job(argv: Sequence[str], *, timeout_s: float, cwd: str | Path,
-            env: Mapping[str, str]) -> JobResult:
+def run_job(
+    argv: Sequence[str], *, timeout_s: float, cwd: str | Path, env: Mapping[str, str]
+) -> JobResult:
     """Run ``argv`` to its end, or kill its whole process group after ``timeout_s``."""
     start = time.monotonic()
-    proc = subprocess.Popen(list(argv), cwd=cwd, env=dict(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        list(argv),
+        cwd=cwd,
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
         code: int | None = proc.returncode

@@ -67,8 +67,9 @@ def polite_barrier(comm) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "job(name): the subprocess job a test checks "
-                                       "(tests/test_rpc_process.py)")
+    config.addinivalue_line(
+        "markers", "job(name): the subprocess job a test checks (tests/test_rpc_process.py)"
+    )
     if _testing_mpi(config) and _world_size() > 1 and "PYTEST_DEBUG_TEMPROOT" not in os.environ:
         # A temp root per rank: every rank of a session cleans up old
         # `pytest-of-<user>/pytest-N` folders at start, and ranks sharing one
@@ -108,8 +109,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     passes. Aborting at once ends the job with the failure printed (stderr).
     """
     report = yield
-    if (report.failed and item.get_closest_marker("mpi") is not None
-            and _testing_mpi(item.config)):
+    if report.failed and item.get_closest_marker("mpi") is not None and _testing_mpi(item.config):
         from mpi4py import MPI
 
         from lightning_distgrad.rpc._abort import abort_mpi_job
@@ -119,7 +119,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             # Waits until mpiexec has read the failure text before the abort kills every rank.
             abort_mpi_job(
                 f"\n===== rank {world.Get_rank()}/{world.Get_size()}: {item.nodeid} FAILED "
-                f"during {report.when}; aborting the MPI job =====\n{report.longreprtext}\n")
+                f"during {report.when}; aborting the MPI job =====\n{report.longreprtext}\n"
+            )
     return report
 
 

@@ -46,12 +46,30 @@ from pathlib import Path
 #: Variables a launcher gives each process it starts. A nested job must not inherit them
 #: (it would try to join the outer job); user settings such as ``OMPI_MCA_*`` (except the
 #: per-job ones below), ``MPIR_CVAR_*`` or ``I_MPI_*`` pass through.
-_PER_JOB_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_LOCAL", "PRTE_",
-                     "OMPI_COMM_WORLD_", "OMPI_WORLD_", "OMPI_FIRST_RANKS",
-                     "OMPI_APP_CTX_", "OMPI_NUM_APP_CTX", "OMPI_UNIVERSE_SIZE", "OMPI_ARGV",
-                     "OMPI_COMMAND", "OMPI_FILE_LOCATION", "OMPI_MCA_initial_wdir",
-                     "OMPI_MCA_num_procs", "OMPI_MCA_cpu_type", "OMPI_MCA_PREFIXES",
-                     "OPAL_USER_PARAMS_GIVEN", "MPIEXEC_TIMEOUT", "I_MPI_JOB_TIMEOUT")
+_PER_JOB_PREFIXES = (
+    "PMI_",
+    "PMIX_",
+    "HYDRA_",
+    "HYDI_",
+    "MPI_LOCAL",
+    "PRTE_",
+    "OMPI_COMM_WORLD_",
+    "OMPI_WORLD_",
+    "OMPI_FIRST_RANKS",
+    "OMPI_APP_CTX_",
+    "OMPI_NUM_APP_CTX",
+    "OMPI_UNIVERSE_SIZE",
+    "OMPI_ARGV",
+    "OMPI_COMMAND",
+    "OMPI_FILE_LOCATION",
+    "OMPI_MCA_initial_wdir",
+    "OMPI_MCA_num_procs",
+    "OMPI_MCA_cpu_type",
+    "OMPI_MCA_PREFIXES",
+    "OPAL_USER_PARAMS_GIVEN",
+    "MPIEXEC_TIMEOUT",
+    "I_MPI_JOB_TIMEOUT",
+)
 
 #: Seconds the Python side waits beyond the launcher's own timeout before it kills the job.
 _BACKSTOP_GRACE_S = 120
@@ -67,15 +85,17 @@ class Launcher:
     version: str = ""
 
     def describe(self) -> str:
-        return f"{self.kind} ({self.mpi}{', ' + self.version if self.version else ''}): " \
-               f"{self.program}"
+        return (
+            f"{self.kind} ({self.mpi}{', ' + self.version if self.version else ''}): {self.program}"
+        )
 
 
 def mpi_of(mpiexec: str) -> tuple[str, str]:
     """(library, version) of an ``mpiexec``, from its ``--version`` output."""
     try:
-        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
-                             timeout=60).stdout
+        out = subprocess.run(
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=60
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return "unknown", ""
     return parse_version(out)
@@ -98,8 +118,7 @@ def find_mpiexec(python: str = sys.executable) -> str | None:
     """``$MPIEXEC``, else the ``mpiexec`` beside ``python``, else the one on ``PATH``."""
     if os.environ.get("MPIEXEC"):
         return shutil.which(os.environ["MPIEXEC"]) or os.environ["MPIEXEC"]
-    return (shutil.which("mpiexec", path=str(Path(python).parent))
-            or shutil.which("mpiexec"))
+    return shutil.which("mpiexec", path=str(Path(python).parent)) or shutil.which("mpiexec")
 
 
 def find_launcher(python: str = sys.executable) -> Launcher | None:
@@ -119,8 +138,13 @@ def srun_mpi_plugin(mpi: str) -> str:
     return os.environ.get("SRUN_MPI") or ("pmix" if mpi == "openmpi" else "pmi2")
 
 
-def command(launcher: Launcher, n: int, argv: list[str], logs: str | None = None,
-            timeout_s: int | None = None) -> tuple[list[str], dict[str, str]]:
+def command(
+    launcher: Launcher,
+    n: int,
+    argv: list[str],
+    logs: str | None = None,
+    timeout_s: int | None = None,
+) -> tuple[list[str], dict[str, str]]:
     """The command line starting ``argv`` on ``n`` ranks, and variables to add to its env.
 
     ``logs``: per-rank log prefix (see :func:`run`); ``timeout_s``: the launcher kills the
@@ -130,8 +154,12 @@ def command(launcher: Launcher, n: int, argv: list[str], logs: str | None = None
     if launcher.kind == "hydra":
         cmd = [launcher.program, "-n", str(n)]
         if logs:
-            cmd += ["-outfile-pattern", f"{logs}.rank%r.out",
-                    "-errfile-pattern", f"{logs}.rank%r.err"]
+            cmd += [
+                "-outfile-pattern",
+                f"{logs}.rank%r.out",
+                "-errfile-pattern",
+                f"{logs}.rank%r.err",
+            ]
         if timeout_s:
             env["MPIEXEC_TIMEOUT"] = str(timeout_s)
     elif launcher.kind == "openmpi":
@@ -145,8 +173,13 @@ def command(launcher: Launcher, n: int, argv: list[str], logs: str | None = None
         if timeout_s:
             cmd += ["--timeout", str(timeout_s)]
     elif launcher.kind == "srun":
-        cmd = [launcher.program, "-n", str(n), f"--mpi={srun_mpi_plugin(launcher.mpi)}",
-               "--kill-on-bad-exit=1"]
+        cmd = [
+            launcher.program,
+            "-n",
+            str(n),
+            f"--mpi={srun_mpi_plugin(launcher.mpi)}",
+            "--kill-on-bad-exit=1",
+        ]
         if logs:
             cmd += [f"--output={logs}.rank%t.out", f"--error={logs}.rank%t.err"]
         if timeout_s:
@@ -176,8 +209,13 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run(launcher: Launcher, n: int, argv: list[str], logs: str | None = None,
-        timeout_s: int | None = None) -> int:
+def run(
+    launcher: Launcher,
+    n: int,
+    argv: list[str],
+    logs: str | None = None,
+    timeout_s: int | None = None,
+) -> int:
     """Run the job to its end; the exit code. Rank r's output goes to ``logs.rank<r>.out/err``.
 
     If the launcher's own timeout fails to end a hung job, the whole process group is
@@ -191,8 +229,10 @@ def run(launcher: Launcher, n: int, argv: list[str], logs: str | None = None,
     try:
         rc = proc.wait(timeout=timeout_s + _BACKSTOP_GRACE_S if timeout_s else None)
     except subprocess.TimeoutExpired:
-        print(f"mpi_launch: {launcher.kind} did not end the job after {timeout_s} s; killing it",
-              file=sys.stderr)
+        print(
+            f"mpi_launch: {launcher.kind} did not end the job after {timeout_s} s; killing it",
+            file=sys.stderr,
+        )
         os.killpg(proc.pid, signal.SIGKILL)
         rc = proc.wait()
     except KeyboardInterrupt:
@@ -245,8 +285,7 @@ def main(args: list[str] | None = None) -> int:
     opts = parser.parse_args(args)
     launcher = find_launcher()
     if launcher is None:
-        print("mpi_launch: no MPI launcher found (set MPIEXEC, or LAUNCHER=srun)",
-              file=sys.stderr)
+        print("mpi_launch: no MPI launcher found (set MPIEXEC, or LAUNCHER=srun)", file=sys.stderr)
         return 127
     if opts.describe:
         print(launcher.describe())

@@ -93,9 +93,12 @@ def test_construction_copies_parameters_and_buffers_of_the_first_rank(rpc_world)
 
 def test_modules_that_differ_raise_on_every_rank(rpc_world):
     module = nn.Linear(4, 3 if rpc_world.rank == 0 else 2)
-    with pytest.raises(ValueError, match="the trainers wrap different modules.*First difference: "
-                                         "rank 0 of the communicator has \\('parameter', "
-                                         "'weight', \\(3, 4\\)"):
+    with pytest.raises(
+        ValueError,
+        match="the trainers wrap different modules.*First difference: "
+        "rank 0 of the communicator has \\('parameter', "
+        "'weight', \\(3, 4\\)",
+    ):
         ReplicatedModule(module, rpc_world.comm)
 
 
@@ -149,8 +152,12 @@ class MixedDtypes(nn.Module):
         self.p32 = nn.Parameter(torch.randn(2, 2))
 
     def forward(self, k: float):
-        return (self.p64.sum() * k + (self.p16.float() * k).pow(2).sum()
-                + self.pbf.float().pow(3).sum() * k + (self.p32 * k).sum())
+        return (
+            self.p64.sum() * k
+            + (self.p16.float() * k).pow(2).sum()
+            + self.pbf.float().pow(3).sum() * k
+            + (self.p32 * k).sum()
+        )
 
 
 def test_sync_gradients_keeps_dtypes_and_reduces_half_types_in_float32(rpc_world):
@@ -179,8 +186,9 @@ def test_parameters_without_gradient(rpc_world):
         out = replicated(x, use_b=rpc_world.rank == 0)
         dist_autograd.backward(context_id, [out.sum()])
         b_grads = context_grads(context_id, module.b.parameters())
-        rank0_b = allgather(rpc_world.comm, [g if g is not None else torch.zeros(0)
-                                             for g in b_grads])[0]
+        rank0_b = allgather(
+            rpc_world.comm, [g if g is not None else torch.zeros(0) for g in b_grads]
+        )[0]
         replicated.sync_gradients(context_id)
         b_avg = context_grads(context_id, module.b.parameters())
         assert context_grads(context_id, module.c.parameters()) == [None, None]
@@ -206,8 +214,9 @@ def test_sparse_gradients_of_a_replicated_embedding(rpc_world):
         replicated.sync_gradients(context_id)
         averaged = context_grads(context_id, [module.weight])[0]
         assert averaged.is_sparse
-        torch.testing.assert_close(averaged.to_dense(),
-                                   sum(g[0] for g in everyone) / rpc_world.size)
+        torch.testing.assert_close(
+            averaged.to_dense(), sum(g[0] for g in everyone) / rpc_world.size
+        )
         opt.step(context_id)
     assert_same_on_every_rank(rpc_world.comm, [module.weight])
 
@@ -219,14 +228,16 @@ def test_failure_on_one_rank_raises_on_every_rank(rpc_world):
         dist_autograd.backward(context_id, [replicated(torch.ones(1, 3)).sum()])
         before = context_grads(context_id, module.parameters())
         if rpc_world.rank == 0:
-            with pytest.raises(RuntimeError, match="Could not find autograd context with id: "
-                                                   "424242"):
+            with pytest.raises(
+                RuntimeError, match="Could not find autograd context with id: 424242"
+            ):
                 replicated.sync_gradients(424242)
         else:
             with pytest.raises(RuntimeError, match="sync_gradients failed on 1 other trainer"):
                 replicated.sync_gradients(context_id)
-            for old, new in zip(before, context_grads(context_id, module.parameters()),
-                                strict=True):
+            for old, new in zip(
+                before, context_grads(context_id, module.parameters()), strict=True
+            ):
                 assert old is new
     # The communicator is still in step: a normal sync works afterwards.
     with dist_autograd.context() as context_id:
@@ -281,8 +292,9 @@ def test_hybrid_training_keeps_replicas_identical_and_matches_local(rpc_world, s
 def _train_hybrid(rpc_world, trainers, trainer_ranks, ps, sparse, iterations=4, lr=0.1):
     # Trainer 0 creates the table (the tutorial's master) and hands it to the others over RPC.
     if trainers.Get_rank() == 0:
-        emb = RemoteModule(ps, nn.EmbeddingBag, (NUM_EMBEDDINGS, EMBEDDING_DIM),
-                           {"mode": "sum", "sparse": sparse})
+        emb = RemoteModule(
+            ps, nn.EmbeddingBag, (NUM_EMBEDDINGS, EMBEDDING_DIM), {"mode": "sum", "sparse": sparse}
+        )
         for rank in trainer_ranks[1:]:
             rpc.rpc_sync(rank, stash, (f"emb-{sparse}", emb))
     polite_barrier(trainers)
@@ -291,8 +303,9 @@ def _train_hybrid(rpc_world, trainers, trainer_ranks, ps, sparse, iterations=4, 
     torch.manual_seed(rpc_world.rank)  # different initial fc everywhere: the wrapper fixes it
     fc = ReplicatedModule(nn.Linear(EMBEDDING_DIM, NUM_CLASSES), trainers)
     model = HybridModel(emb, fc)
-    opt = DistributedOptimizer(torch.optim.SGD, emb.remote_parameters() + fc.parameter_rrefs(),
-                               lr=lr)
+    opt = DistributedOptimizer(
+        torch.optim.SGD, emb.remote_parameters() + fc.parameter_rrefs(), lr=lr
+    )
 
     # The same training, computed locally: the table gets every trainer's step, the fc the mean.
     ref_emb = nn.EmbeddingBag(NUM_EMBEDDINGS, EMBEDDING_DIM, mode="sum")
@@ -319,15 +332,17 @@ def _train_hybrid(rpc_world, trainers, trainer_ranks, ps, sparse, iterations=4, 
             nn.functional.cross_entropy(ref_fc(ref_emb(i, o)), y).backward()
             emb_grad += ref_emb.weight.grad
             grads = [p.grad / len(trainer_ranks) for p in ref_fc.parameters()]
-            fc_grads = grads if fc_grads is None else [a + b for a, b in
-                                                       zip(fc_grads, grads, strict=True)]
+            fc_grads = (
+                grads if fc_grads is None else [a + b for a, b in zip(fc_grads, grads, strict=True)]
+            )
         with torch.no_grad():
             ref_emb.weight -= lr * emb_grad
             for p, g in zip(ref_fc.parameters(), fc_grads, strict=True):
                 p -= lr * g
 
-    torch.testing.assert_close(emb.remote_state_dict()["weight"], ref_emb.weight.detach(),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        emb.remote_state_dict()["weight"], ref_emb.weight.detach(), atol=1e-5, rtol=0
+    )
     for p, ref in zip(fc.parameters(), ref_fc.parameters(), strict=True):
         torch.testing.assert_close(p.detach(), ref.detach(), atol=1e-5, rtol=0)
     polite_barrier(trainers)  # nobody drops the table while another trainer still reads it

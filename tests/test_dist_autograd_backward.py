@@ -77,7 +77,7 @@ def callee_grads_of_return_value(context_id):
 
 def multi_output(t):
     """Several outputs; the caller uses only some of them."""
-    return t * 2, t * 3, (t ** 2).sum(), t + 1
+    return t * 2, t * 3, (t**2).sum(), t + 1
 
 
 _PS_PARAM: dict[str, torch.Tensor] = {}
@@ -146,23 +146,26 @@ def test_backward_no_grad_on_tensor(rpc_world):
         dist_autograd.backward(context_id, [loss])
         torch.testing.assert_close(t1.grad, torch.ones(3, 3))
         torch.testing.assert_close(t2.grad, torch.ones(3, 3))
-        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[t1],
-                                   2 * torch.ones(3, 3))
+        torch.testing.assert_close(
+            dist_autograd.get_gradients(context_id)[t1], 2 * torch.ones(3, 3)
+        )
 
 
 def test_backward_complex_python_udf(rpc_world):
     t1 = torch.rand(3, 3, requires_grad=True)
     t2 = torch.rand(3, 3, requires_grad=True)
     for mode in (ExecMode.RPC_SYNC, ExecMode.REMOTE):
-        check_against_local(lambda ex, a, b: [ex(complex_python_udf, a, b).sum()], mode,
-                            rpc_world.peer(), t1, t2)
+        check_against_local(
+            lambda ex, a, b: [ex(complex_python_udf, a, b).sum()], mode, rpc_world.peer(), t1, t2
+        )
 
 
 def test_backward_simple_python_udf_remote(rpc_world):
     t1 = torch.rand(3, 3, requires_grad=True)
     t2 = torch.rand(3, 3, requires_grad=True)
-    check_against_local(lambda ex, a, b: [ex(my_py_add, a, b).sum()], ExecMode.REMOTE,
-                        rpc_world.peer(), t1, t2)
+    check_against_local(
+        lambda ex, a, b: [ex(my_py_add, a, b).sum()], ExecMode.REMOTE, rpc_world.peer(), t1, t2
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -190,11 +193,9 @@ def test_backward_multiple_round_trips(rpc_world, mode):
     expected = local_grads(forward, t1, t2, t3, t4, t5)
     assert expected[1] is None and expected[3] is None
     with dist_autograd.context() as context_id:
-        roots = forward(lambda fn, *a: exec_func(mode, rotation.next(), fn, *a),
-                        t1, t2, t3, t4, t5)
+        roots = forward(lambda fn, *a: exec_func(mode, rotation.next(), fn, *a), t1, t2, t3, t4, t5)
         dist_autograd.backward(context_id, roots)
-        assert_grads_match(dist_autograd.get_gradients(context_id), [t1, t2, t3, t4, t5],
-                           expected)
+        assert_grads_match(dist_autograd.get_gradients(context_id), [t1, t2, t3, t4, t5], expected)
 
 
 def test_backward_different_tensor_dims(rpc_world):
@@ -218,8 +219,7 @@ def test_backwards_nested_python_udf(rpc_world):
     t2 = torch.rand(3, 3, requires_grad=True)
     expected = local_grads(lambda ex, a, b: [nested_python_udf(a, b, None).sum()], t1, t2)
     with dist_autograd.context() as context_id:
-        loss = rpc.rpc_sync(rpc_world.peer(1), nested_python_udf,
-                            (t1, t2, rpc_world.peer(2))).sum()
+        loss = rpc.rpc_sync(rpc_world.peer(1), nested_python_udf, (t1, t2, rpc_world.peer(2))).sum()
         dist_autograd.backward(context_id, [loss])
         assert_grads_match(dist_autograd.get_gradients(context_id), [t1, t2], expected)
 
@@ -293,8 +293,12 @@ def test_backward_multiple_roots(rpc_world, mode):
     t2 = torch.rand(3, 3, requires_grad=True)
 
     def forward(ex, t1, t2):
-        return [ex(torch.add, t1, t2).sum(), ex(torch.mul, t1, t2).sum(),
-                ex(torch.cos, t1).sum(), ex(torch.div, t1, t2).sum()]
+        return [
+            ex(torch.add, t1, t2).sum(),
+            ex(torch.mul, t1, t2).sum(),
+            ex(torch.cos, t1).sum(),
+            ex(torch.div, t1, t2).sum(),
+        ]
 
     check_against_local(forward, mode, rpc_world.peer(), t1, t2)
 
@@ -303,16 +307,18 @@ def test_backward_different_dtypes(rpc_world):
     t1 = torch.rand(3, 3, requires_grad=True, dtype=torch.float32)
     t2 = torch.rand(3, 3, requires_grad=True, dtype=torch.float64)
     for mode in REMOTE_MODES:
-        grads = check_against_local(lambda ex, a, b: [ex(torch.add, a, b).sum()], mode,
-                                    rpc_world.peer(), t1, t2)
+        grads = check_against_local(
+            lambda ex, a, b: [ex(torch.add, a, b).sum()], mode, rpc_world.peer(), t1, t2
+        )
         assert grads[t1].dtype == torch.float32 and grads[t2].dtype == torch.float64
 
 
 def test_backward_mixed_dtypes_in_one_python_udf(rpc_world):
     t1 = torch.rand(3, 3, requires_grad=True, dtype=torch.float32)
     t2 = torch.rand(3, 3, requires_grad=True, dtype=torch.float64)
-    grads = check_against_local(lambda ex, a, b: [ex(mul_udf, a, b).sum()], ExecMode.RPC_SYNC,
-                                rpc_world.peer(), t1, t2)
+    grads = check_against_local(
+        lambda ex, a, b: [ex(mul_udf, a, b).sum()], ExecMode.RPC_SYNC, rpc_world.peer(), t1, t2
+    )
     assert grads[t1].dtype == torch.float32 and grads[t2].dtype == torch.float64
 
 
@@ -341,8 +347,9 @@ def test_grad_only_on_return_value(rpc_world, remote):
         assert ret.requires_grad
         dist_autograd.backward(context_id, [ret.sum()])
         assert len(dist_autograd.get_gradients(context_id)) == 0
-        n, grad, no_dot_grad = rpc.rpc_sync(rpc_world.peer(), callee_grads_of_return_value,
-                                            (context_id,))
+        n, grad, no_dot_grad = rpc.rpc_sync(
+            rpc_world.peer(), callee_grads_of_return_value, (context_id,)
+        )
         assert n == 1 and no_dot_grad
         torch.testing.assert_close(grad, torch.ones(3, 3))
 
@@ -401,8 +408,9 @@ def test_backward_rref_owned_here_used_remotely(rpc_world):
         ret = rpc.rpc_sync(rpc_world.peer(), my_nested_rref_add, (rpc_world.name, rref_t1, t2))
         dist_autograd.backward(context_id, [(ret * ret).sum()])
         grads = dist_autograd.get_gradients(context_id)
-        expected = local_grads(lambda ex, a, b: [((a + b) * (a + b)).sum()],
-                               torch.ones(3, 3, requires_grad=True), t2)
+        expected = local_grads(
+            lambda ex, a, b: [((a + b) * (a + b)).sum()], torch.ones(3, 3, requires_grad=True), t2
+        )
         assert len(grads) == 2
         torch.testing.assert_close(grads[rref_t1.local_value()], expected[0])
         torch.testing.assert_close(grads[t2], expected[1])
@@ -416,13 +424,14 @@ def test_trainer_ps(rpc_world):
     _PS_PARAM["w"] = torch.ones(3, 3, requires_grad=True)
     world.barrier()
     t2 = torch.rand(3, 3, requires_grad=True)
-    expected_w, expected_t2 = local_grads(lambda ex, w, b: [(torch.add(w, b) ** 2).sum()],
-                                          torch.ones(3, 3, requires_grad=True), t2)
+    expected_w, expected_t2 = local_grads(
+        lambda ex, w, b: [(torch.add(w, b) ** 2).sum()], torch.ones(3, 3, requires_grad=True), t2
+    )
     with dist_autograd.context() as context_id:
         if world.rank > 0:
             rref_w = rpc.remote("worker0", ps_param)
             ret = rpc.rpc_sync("worker0", my_rref_add, (rref_w, t2))
-            dist_autograd.backward(context_id, [(ret ** 2).sum()])
+            dist_autograd.backward(context_id, [(ret**2).sum()])
             grads = dist_autograd.get_gradients(context_id)
             assert len(grads) == 1
             torch.testing.assert_close(grads[t2], expected_t2)
@@ -435,8 +444,7 @@ def test_trainer_ps(rpc_world):
                 torch.testing.assert_close(grads[w], 2 * (w.detach() + trainer_t2))
             assert w.grad is None
         else:  # the same, asked by the trainer through an RPC
-            torch.testing.assert_close(rpc.rpc_sync("worker0", ps_grad, (context_id,)),
-                                       expected_w)
+            torch.testing.assert_close(rpc.rpc_sync("worker0", ps_grad, (context_id,)), expected_w)
         world.barrier()
     world.barrier()
     _PS_PARAM.clear()
@@ -467,8 +475,7 @@ def test_nested_backward_accumulate_grads(rpc_world):
     t2 = torch.rand(3, 3, requires_grad=True)
     expected = local_grads(lambda ex, a, b: [nested_python_udf(a, b, None).sum()], t1, t2)
     with dist_autograd.context() as context_id:
-        loss = rpc.rpc_sync(rpc_world.peer(1), nested_python_udf,
-                            (t1, t2, rpc_world.peer(2))).sum()
+        loss = rpc.rpc_sync(rpc_world.peer(1), nested_python_udf, (t1, t2, rpc_world.peer(2))).sum()
         dist_autograd.backward(context_id, [loss], retain_graph=True)
         dist_autograd.backward(context_id, [loss])
         grads = dist_autograd.get_gradients(context_id)
@@ -484,8 +491,9 @@ def test_multiple_backward(rpc_world):
         loss = rpc.rpc_sync(rpc_world.peer(), mul_udf, (t1, t2)).sum()
         for _ in range(n):
             dist_autograd.backward(context_id, [loss], retain_graph=True)
-        assert_grads_match(dist_autograd.get_gradients(context_id), [t1, t2],
-                           [n * e for e in expected])
+        assert_grads_match(
+            dist_autograd.get_gradients(context_id), [t1, t2], [n * e for e in expected]
+        )
 
 
 def test_forward_and_backward_repeated_in_one_context_accumulate(rpc_world):
@@ -503,13 +511,15 @@ def test_forward_and_backward_repeated_in_one_context_accumulate(rpc_world):
 
     expected = [torch.zeros(3, 3), torch.zeros(3, 3)]
     for x in batches:
-        for acc, g in zip(expected, local_grads(lambda ex, a, b, x=x: forward(ex, a, b, x), t1, t2),
-                          strict=True):
+        for acc, g in zip(
+            expected, local_grads(lambda ex, a, b, x=x: forward(ex, a, b, x), t1, t2), strict=True
+        ):
             acc += g
     with dist_autograd.context() as context_id:
         for x in batches:
-            loss = (rpc.rpc_sync(world.peer(1), nested_python_udf,
-                                 (t1 * x, t2, world.peer(2))) * t2).sum()
+            loss = (
+                rpc.rpc_sync(world.peer(1), nested_python_udf, (t1 * x, t2, world.peer(2))) * t2
+            ).sum()
             dist_autograd.backward(context_id, [loss])
         assert_grads_match(dist_autograd.get_gradients(context_id), [t1, t2], expected)
 
@@ -534,8 +544,12 @@ def test_second_pass_without_retain_graph_fails(rpc_world, where):
         assert f"Error on Node {node}" in str(info.value)
         grads = dist_autograd.get_gradients(context_id)
         expected = local_grads(
-            (lambda ex, a, b: [(a * b).sum()]) if where == "remote"
-            else (lambda ex, a, b: [((a + b) * a).sum()]), t1, t2)
+            (lambda ex, a, b: [(a * b).sum()])
+            if where == "remote"
+            else (lambda ex, a, b: [((a + b) * a).sum()]),
+            t1,
+            t2,
+        )
         # three complete passes; the failed one added nothing
         assert_grads_match(grads, [t1, t2], [3 * e for e in expected])
 
@@ -563,8 +577,9 @@ def test_retain_graph_reaches_every_worker_of_a_long_chain(rpc_world):
             return [val.sum()]
 
         expected = local_grads(forward, t1, w)
-        assert_grads_match(dist_autograd.get_gradients(context_id), [t1, w],
-                           [4 * e for e in expected])
+        assert_grads_match(
+            dist_autograd.get_gradients(context_id), [t1, w], [4 * e for e in expected]
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -588,6 +603,7 @@ def test_backward_verify_hooks(rpc_world, mode):
 def test_hook_runs_once_with_full_gradient_local_and_remote(rpc_world):
     """t1 gets gradients locally and through two RPCs: its hook runs once per pass, with the
     sum, exactly as in local autograd."""
+
     def make(t):
         seen = []
 
@@ -605,9 +621,9 @@ def test_hook_runs_once_with_full_gradient_local_and_remote(rpc_world):
     seen_local2 = make(c2)
 
     def forward(ex, a, b):
-        x = ex(torch.mul, a, b)           # a via an RPC
-        y = ex(my_py_add, a, x)           # a via another RPC, and x
-        return [(a * 2 + y * a).sum()]    # a locally, twice
+        x = ex(torch.mul, a, b)  # a via an RPC
+        y = ex(my_py_add, a, x)  # a via another RPC, and x
+        return [(a * 2 + y * a).sum()]  # a locally, twice
 
     forward(lambda fn, *args: fn(*args), c1, c2)[0].backward()
     assert len(seen_local) == 1 and len(seen_local2) == 1
@@ -671,13 +687,17 @@ def test_gradients_coming_back_to_the_root_run_on_the_thread_that_waits(rpc_worl
         sent = RecordBackwardThread.apply(t1)
         loss = rpc.rpc_sync(rpc_world.peer(), torch.mul, (sent, 3)).sum()
         dist_autograd.backward(context_id, [loss])
-        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[t1],
-                                   torch.full((3, 3), 3.0))
+        torch.testing.assert_close(
+            dist_autograd.get_gradients(context_id)[t1], torch.full((3, 3), 3.0)
+        )
     assert RecordBackwardThread.threads == [threading.current_thread().name]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the engine captures gradients at AccumulateGrad "
-                   "nodes without running the nodes' post-hooks (torch runs them, test_post_hooks)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: the engine captures gradients at AccumulateGrad "
+    "nodes without running the nodes' post-hooks (torch runs them, test_post_hooks)",
+)
 def test_post_hooks(rpc_world):
     calls = []
     t = torch.rand(10, 10, requires_grad=True)
@@ -722,8 +742,9 @@ def test_owner_rref_backward(rpc_world):
 
     with pytest.raises(RuntimeError, match="does not require grad and does not have a grad_fn"):
         rpc.RRef(torch.rand(10)).backward()
-    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar "
-                                           "outputs"):
+    with pytest.raises(
+        RuntimeError, match="grad can be implicitly created only for scalar outputs"
+    ):
         rpc.RRef(torch.rand(10, requires_grad=True)).backward()
     with pytest.raises(RuntimeError, match="Could not find autograd context with id: 100"):
         rpc.RRef(torch.rand(10, requires_grad=True).sum()).backward(100)
@@ -738,16 +759,18 @@ def test_user_rref_backward(rpc_world):
         rref = rpc.remote(dst, rref_sum, (t,))
         rref.backward(context_id, retain_graph=True)
         rref.backward(context_id)
-        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[t],
-                                   torch.ones_like(t) * 2)
+        torch.testing.assert_close(
+            dist_autograd.get_gradients(context_id)[t], torch.ones_like(t) * 2
+        )
     assert t.grad is None
 
     with dist_autograd.context() as context_id:
         rref = rpc.remote(dst, identity, ("foo",))
         with pytest.raises(RuntimeError, match=r"RRef should contain a tensor for \.backward\(\)"):
             rref.backward(context_id)
-        with pytest.raises(RuntimeError, match="User RRefs require 'dist_autograd_ctx_id' to be "
-                                               "specified"):
+        with pytest.raises(
+            RuntimeError, match="User RRefs require 'dist_autograd_ctx_id' to be specified"
+        ):
             rref.backward()
 
 
@@ -755,7 +778,7 @@ def test_user_rref_backward_through_a_third_worker(rpc_world):
     """The owner's value depends on t through an RPC: the owner's pass ships gradients back."""
     t = torch.rand(4, requires_grad=True)
     with dist_autograd.context() as context_id:
-        x = rpc.rpc_sync(rpc_world.peer(2), mul_udf, (t, t))   # self with 2 ranks
+        x = rpc.rpc_sync(rpc_world.peer(2), mul_udf, (t, t))  # self with 2 ranks
         rref = rpc.remote(rpc_world.peer(1), rref_sum, (x,))
         rref.backward(context_id)
         torch.testing.assert_close(dist_autograd.get_gradients(context_id)[t], 2 * t.detach())

@@ -90,8 +90,10 @@ def test_training_iterations_release_every_context(rpc_world):
     ids: list[int] = []
     _train(world, 100, ids)
     assert len(set(ids)) == 100 and all(i >> 48 == world.rank for i in ids)
-    assert wait_for_no_contexts(world) == {"num_current_backward_passes": 0,
-                                           "num_autograd_contexts": 0}
+    assert wait_for_no_contexts(world) == {
+        "num_current_backward_passes": 0,
+        "num_autograd_contexts": 0,
+    }
     _teardown(world)
 
 
@@ -114,13 +116,16 @@ def test_many_training_iterations_memory_is_flat(rpc_world):
     elapsed = time.monotonic() - start
     assert len(set(ids)) == ITERATIONS
 
-    assert wait_for_no_contexts(world) == {"num_current_backward_passes": 0,
-                                           "num_autograd_contexts": 0}
+    assert wait_for_no_contexts(world) == {
+        "num_current_backward_passes": 0,
+        "num_autograd_contexts": 0,
+    }
     gc.collect()
     growth = rss_bytes() - rss_warm
     everyone = exchange(world, (growth, elapsed))
     for rank, (g, _) in enumerate(everyone):
         assert g < RSS_TOLERANCE, (
             f"rank {rank}: RSS grew by {g / 2**20:.1f} MiB between iteration {warmup} and "
-            f"{ITERATIONS} (tolerance {RSS_TOLERANCE / 2**20:.0f} MiB)")
+            f"{ITERATIONS} (tolerance {RSS_TOLERANCE / 2**20:.0f} MiB)"
+        )
     _teardown(world)

@@ -158,11 +158,13 @@ def test_async_dist_autograd(rpc_world):
 
 def test_async_dist_autograd_to_one_worker(rpc_world):
     """All threads of all ranks use worker0 (torch's version of the test)."""
+
     def workload(i):
         t1 = torch.rand(3, 3, requires_grad=True)
         t2 = torch.rand(3, 3, requires_grad=True)
-        expected = local_grads(lambda ex, a, b: [ex(torch.mul, ex(torch.add, a, b), b).sum()],
-                               t1, t2)
+        expected = local_grads(
+            lambda ex, a, b: [ex(torch.mul, ex(torch.add, a, b), b).sum()], t1, t2
+        )
         with dist_autograd.context() as context_id:
             t3 = rpc.rpc_sync("worker0", torch.add, (t1, t2))
             t4 = rpc.rpc_sync("worker0", torch.mul, (t3, t2))
@@ -227,8 +229,9 @@ def test_async_udf_continuation_result_carries_gradients(rpc_world):
         torch.testing.assert_close(ret, (t.detach() + 1) * 2)
         assert ret.requires_grad
         dist_autograd.backward(context_id, [ret.sum()])
-        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[t],
-                                   torch.full((3, 3), 2.0))
+        torch.testing.assert_close(
+            dist_autograd.get_gradients(context_id)[t], torch.full((3, 3), 2.0)
+        )
 
 
 def test_context_in_async_udf_continuation(rpc_world):
@@ -242,8 +245,9 @@ def test_context_in_async_udf_continuation(rpc_world):
         torch.testing.assert_close(ret, (t.detach() + 1) * 2)
         assert ret.requires_grad
         dist_autograd.backward(context_id, [ret.sum()])
-        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[t],
-                                   torch.full((3, 3), 2.0))
+        torch.testing.assert_close(
+            dist_autograd.get_gradients(context_id)[t], torch.full((3, 3), 2.0)
+        )
 
 
 def test_threads_with_nested_calls_and_exchange(rpc_world):
@@ -294,8 +298,11 @@ def test_concurrent_passes_many_gradient_messages(rpc_world):
             t2 = torch.rand(3, 3, requires_grad=True)
             expected = local_grads(local_forward, t1, t2)
             with dist_autograd.context() as context_id:
-                futs = [rpc.rpc_async(world.names[d], op, (t1, t2))
-                        for d in range(world.size) for op in ops]
+                futs = [
+                    rpc.rpc_async(world.names[d], op, (t1, t2))
+                    for d in range(world.size)
+                    for op in ops
+                ]
                 roots = [f.wait().sum() for f in futs]
                 dist_autograd.backward(context_id, roots)
                 assert_grads_match(dist_autograd.get_gradients(context_id), [t1, t2], expected)

@@ -70,8 +70,9 @@ def test_autograd_context_ids_and_lookup(rpc_world):
             dist_autograd.get_gradients(context_id)
         with pytest.raises(RuntimeError, match=msg):
             dist_autograd._release_context(context_id)
-        with pytest.raises(RuntimeError, match="Current thread doesn't have a valid autograd "
-                                               "context"):
+        with pytest.raises(
+            RuntimeError, match="Current thread doesn't have a valid autograd context"
+        ):
             dist_autograd._current_context()
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
     # ids of different workers never collide
@@ -97,8 +98,9 @@ def test_new_and_release_context_by_hand(rpc_world):
 def test_nested_context_raises_and_outer_stays_usable(rpc_world):
     t1 = torch.ones(3, 3, requires_grad=True)
     with dist_autograd.context() as context_id:
-        with pytest.raises(RuntimeError, match="Already have an autograd context id for this "
-                                               "thread"):
+        with pytest.raises(
+            RuntimeError, match="Already have an autograd context id for this thread"
+        ):
             with dist_autograd.context():
                 pass
         assert dist_autograd._current_context()._context_id() == context_id
@@ -139,8 +141,10 @@ def test_debug_info_keys_and_counts(rpc_world):
         assert debug_info()["num_autograd_contexts"] == rpc_world.size
         dist_autograd.backward(context_id, [loss.sum()])
         rpc_world.barrier()
-        assert debug_info() == {"num_current_backward_passes": 0,
-                                "num_autograd_contexts": rpc_world.size}
+        assert debug_info() == {
+            "num_current_backward_passes": 0,
+            "num_autograd_contexts": rpc_world.size,
+        }
         rpc_world.barrier()  # nobody releases before everyone has counted
     assert_contexts_released(rpc_world, ids)
     assert debug_info() == {"num_current_backward_passes": 0, "num_autograd_contexts": 0}
@@ -184,8 +188,7 @@ def _graph_for_call(world, call) -> None:
     with dist_autograd.context() as context_id:
         ret = call(world.peer(), t1, t2)
         torch.testing.assert_close(ret, t1 + t2)
-        _verify_first_rpc_call(dist_autograd._current_context(), t1, t2, ret, world.rank,
-                               peer_rank)
+        _verify_first_rpc_call(dist_autograd._current_context(), t1, t2, ret, world.rank, peer_rank)
         ids = exchange(world, context_id)
         # the context of the rank before us, as this callee recorded it
         ctx = dist_autograd._retrieve_context(ids[prev_rank])
@@ -196,23 +199,31 @@ def _graph_for_call(world, call) -> None:
         assert _verify_rpc_call_exec(send) is recv
         assert ctx._known_worker_ids() == {prev_rank}
         world.barrier()
-    for context in (lambda: dist_autograd._retrieve_context(context_id),
-                    dist_autograd._current_context):
+    for context in (
+        lambda: dist_autograd._retrieve_context(context_id),
+        dist_autograd._current_context,
+    ):
         with pytest.raises(RuntimeError):
             context()
     assert_contexts_released(world, ids)
 
 
-@pytest.mark.parametrize("call", [
-    pytest.param(lambda to, a, b: rpc.rpc_sync(to, torch.add, (a, b)), id="builtin_rpc_sync"),
-    pytest.param(lambda to, a, b: rpc.rpc_sync(to, my_py_add, (a, b)), id="python_rpc_sync"),
-    pytest.param(lambda to, a, b: rpc.rpc_async(to, torch.add, (a, b)).wait(),
-                 id="builtin_rpc_async"),
-    pytest.param(lambda to, a, b: rpc.remote(to, torch.add, (a, b)).to_here(),
-                 id="builtin_remote"),
-    pytest.param(lambda to, a, b: rpc.remote(to, my_py_add, (a, b)).to_here(),
-                 id="python_remote"),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda to, a, b: rpc.rpc_sync(to, torch.add, (a, b)), id="builtin_rpc_sync"),
+        pytest.param(lambda to, a, b: rpc.rpc_sync(to, my_py_add, (a, b)), id="python_rpc_sync"),
+        pytest.param(
+            lambda to, a, b: rpc.rpc_async(to, torch.add, (a, b)).wait(), id="builtin_rpc_async"
+        ),
+        pytest.param(
+            lambda to, a, b: rpc.remote(to, torch.add, (a, b)).to_here(), id="builtin_remote"
+        ),
+        pytest.param(
+            lambda to, a, b: rpc.remote(to, my_py_add, (a, b)).to_here(), id="python_remote"
+        ),
+    ],
+)
 def test_graph_for_call(rpc_world, call):
     _graph_for_call(rpc_world, call)
 
@@ -242,8 +253,9 @@ def test_graph_for_py_nested_call(rpc_world):
         path = [world.peer(2), world.peer(3)]
         ret = rpc.rpc_sync(world.peer(1), my_py_nested_call, (t1, t2, path))
         torch.testing.assert_close(ret, t1 + t2)
-        _verify_first_rpc_call(dist_autograd._current_context(), t1, t2, ret, world.rank,
-                               world.peer_rank(1))
+        _verify_first_rpc_call(
+            dist_autograd._current_context(), t1, t2, ret, world.rank, world.peer_rank(1)
+        )
         ids = exchange(world, context_id)
         # first forwarder for rank-1, second forwarder for rank-2, executor for rank-3
         r1, r2, r3 = world.peer_rank(-1), world.peer_rank(-2), world.peer_rank(-3)
@@ -359,6 +371,7 @@ def test_grad_mode_left_off_by_a_remote_function_does_not_leak(rpc_world):
 def test_requests_served_while_the_callee_waits_under_no_grad_record(rpc_world):
     """A thread waiting inside torch.no_grad() may hand over other ranks' requests
     itself; they still run with grad mode on (a 4-rank CI failure)."""
+
     def call_with_grad() -> torch.Tensor:
         t1 = torch.ones(2, requires_grad=True)
         with dist_autograd.context() as context_id:
@@ -378,8 +391,7 @@ def test_requests_served_while_the_callee_waits_under_no_grad_record(rpc_world):
 
 
 @pytest.mark.parametrize("mode", ["inference_mode", "autocast"])
-def test_requests_served_by_a_thread_in_inference_or_autocast_mode_are_unaffected(rpc_world,
-                                                                                   mode):
+def test_requests_served_by_a_thread_in_inference_or_autocast_mode_are_unaffected(rpc_world, mode):
     """Thread-local modes of the thread that hands frames over do not reach the requests it
     serves nor the responses it records (torch's server threads start in default modes)."""
     a = torch.ones(4, 4, requires_grad=True)
@@ -392,8 +404,11 @@ def test_requests_served_by_a_thread_in_inference_or_autocast_mode_are_unaffecte
             dist_autograd.backward(context_id, [torch.stack(results).sum()])
             return dist_autograd.get_gradients(context_id)[a]
 
-    modal = (torch.inference_mode() if mode == "inference_mode"
-             else torch.autocast("cpu", dtype=torch.bfloat16))
+    modal = (
+        torch.inference_mode()
+        if mode == "inference_mode"
+        else torch.autocast("cpu", dtype=torch.bfloat16)
+    )
     with ThreadPoolExecutor(1) as pool:
         caller = pool.submit(call_with_grad)
         with modal:
@@ -470,7 +485,8 @@ def _cleanup_case(world, call, expect_on: list[int]) -> None:
         ids = exchange(world, context_id)
         for d in expect_on:
             assert has_context(ids[world.peer_rank(-d)]), (
-                f"rank {world.rank}: the context of rank {world.peer_rank(-d)} did not reach it")
+                f"rank {world.rank}: the context of rank {world.peer_rank(-d)} did not reach it"
+            )
         world.barrier()
     assert not has_context(context_id)
     assert_contexts_released(world, ids)
@@ -495,7 +511,7 @@ def test_context_cleanup_after_backward_and_remote(rpc_world):
 
     def call():
         rref = rpc.remote(rpc_world.peer(), torch_ones, ((3, 3),), {"requires_grad": False})
-        loss = (rpc.rpc_sync(rpc_world.peer(), torch.mul, (t1, rref.to_here())).sum())
+        loss = rpc.rpc_sync(rpc_world.peer(), torch.mul, (t1, rref.to_here())).sum()
         dist_autograd.backward(dist_autograd._current_context()._context_id(), [loss])
 
     _cleanup_case(rpc_world, call, [1])
@@ -521,8 +537,9 @@ def test_context_cleanup_nested_rpc_without_grad(rpc_world):
     world = rpc_world
 
     def call():
-        ret = rpc.rpc_sync(world.peer(1), my_py_nested_call,
-                           (torch.ones(2), torch.ones(2), [world.peer(2)]))
+        ret = rpc.rpc_sync(
+            world.peer(1), my_py_nested_call, (torch.ones(2), torch.ones(2), [world.peer(2)])
+        )
         torch.testing.assert_close(ret, torch.full((2,), 2.0))
 
     _cleanup_case(world, call, [1, 2])

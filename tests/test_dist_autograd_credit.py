@@ -18,6 +18,7 @@ from lightning_distgrad.autograd._engine import (
 def test_credits_split_and_sum_back_exactly():
     """Credit recovery ends a pass when the root holds all credit again: splitting among any
     number of messages and summing back must be exact, however deep the split goes."""
+
     def value(credit):
         return Fraction(credit[0], 1 << credit[1])
 

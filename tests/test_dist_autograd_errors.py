@@ -53,23 +53,31 @@ def test_backward_without_context(rpc_world):
     msg = "Could not find autograd context with id: 100"
     with pytest.raises(RuntimeError, match=msg):
         dist_autograd.backward(100, [loss])
-    for fn in (dist_autograd.get_gradients, dist_autograd._retrieve_context,
-               dist_autograd._release_context, dist_autograd._is_valid_context):
+    for fn in (
+        dist_autograd.get_gradients,
+        dist_autograd._retrieve_context,
+        dist_autograd._release_context,
+        dist_autograd._is_valid_context,
+    ):
         with pytest.raises(RuntimeError, match=msg):
             fn(100)
 
 
 def test_nested_context_text(rpc_world):
     with dist_autograd.context():
-        with pytest.raises(RuntimeError,
-                           match=r"^Already have an autograd context id for this thread\.$"):
+        with pytest.raises(
+            RuntimeError, match=r"^Already have an autograd context id for this thread\.$"
+        ):
             with dist_autograd.context():
                 pass
 
 
 def test_current_context_without_context_text(rpc_world):
-    with pytest.raises(RuntimeError, match="^Current thread doesn't have a valid autograd "
-                                           "context. Please wrap your code using: `with "):
+    with pytest.raises(
+        RuntimeError,
+        match="^Current thread doesn't have a valid autograd "
+        "context. Please wrap your code using: `with ",
+    ):
         dist_autograd._current_context()
 
 
@@ -99,13 +107,18 @@ def test_backward_invalid_args(rpc_world):
 
         # the roots are checked before anything runs: the context is usable afterwards
         dist_autograd.backward(context_id, [t3.sum()])
-        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[t1],
-                                   2 * torch.ones(3, 3))
+        torch.testing.assert_close(
+            dist_autograd.get_gradients(context_id)[t1], 2 * torch.ones(3, 3)
+        )
 
 
 def test_context_functions_reject_none_with_type_error(rpc_world):
-    for fn in (dist_autograd.get_gradients, dist_autograd._retrieve_context,
-               dist_autograd._release_context, dist_autograd._is_valid_context):
+    for fn in (
+        dist_autograd.get_gradients,
+        dist_autograd._retrieve_context,
+        dist_autograd._release_context,
+        dist_autograd._is_valid_context,
+    ):
         with pytest.raises(TypeError):
             fn(None)
 
@@ -118,8 +131,9 @@ def test_bad_root_among_good_roots(rpc_world):
             dist_autograd.backward(context_id, [good, torch.ones(())])
         assert dist_autograd.get_gradients(context_id) == {}
         dist_autograd.backward(context_id, [good])
-        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[t1],
-                                   2 * torch.ones(3, 3))
+        torch.testing.assert_close(
+            dist_autograd.get_gradients(context_id)[t1], 2 * torch.ones(3, 3)
+        )
 
 
 def test_get_gradients_on_released_context(rpc_world):
@@ -128,11 +142,13 @@ def test_get_gradients_on_released_context(rpc_world):
         loss = rpc.rpc_sync(rpc_world.peer(), torch.add, (t1, 1)).sum()
         dist_autograd.backward(context_id, [loss])
         assert t1 in dist_autograd.get_gradients(context_id)
-    with pytest.raises(RuntimeError, match=f"Could not find autograd context with id: "
-                                           f"{context_id}"):
+    with pytest.raises(
+        RuntimeError, match=f"Could not find autograd context with id: {context_id}"
+    ):
         dist_autograd.get_gradients(context_id)
-    with pytest.raises(RuntimeError, match=f"Could not find autograd context with id: "
-                                           f"{context_id}"):
+    with pytest.raises(
+        RuntimeError, match=f"Could not find autograd context with id: {context_id}"
+    ):
         dist_autograd.backward(context_id, [loss])
 
 
@@ -192,8 +208,7 @@ def test_backward_python_udf_error(rpc_world):
         # the error is keyed by context id on the worker that runs the failing node
         third = world.peer(2)
         rpc.rpc_sync(third, set_remote_flag, (("fail", context_id), True))
-        loss = rpc.rpc_sync(world.peer(1), nested_udf_with_backward_error,
-                            (t1, t2, third)).sum()
+        loss = rpc.rpc_sync(world.peer(1), nested_udf_with_backward_error, (t1, t2, third)).sum()
         node = world.peer_rank(2)
         with pytest.raises(RuntimeError, match=f"Error on Node {node}: {SIMULATED}"):
             dist_autograd.backward(context_id, [loss], retain_graph=True)
@@ -201,8 +216,7 @@ def test_backward_python_udf_error(rpc_world):
         # recovery: the same context, the cause gone
         rpc.rpc_sync(third, set_remote_flag, (("fail", context_id), None))
         dist_autograd.backward(context_id, [loss])
-        expected = local_grads(
-            lambda ex, a, b: [(((a * b) + b + (a * b) + b) * a).sum()], t1, t2)
+        expected = local_grads(lambda ex, a, b: [(((a * b) + b + (a * b) + b) * a).sum()], t1, t2)
         assert_grads_match(dist_autograd.get_gradients(context_id), [t1, t2], expected)
         assert_no_backward_pass_anywhere(world)
 
@@ -218,15 +232,17 @@ def test_multiple_backward_with_errors(rpc_world):
         rpc.rpc_sync(world.peer(), set_remote_flag, (key, True))
         loss = rpc.rpc_sync(world.peer(), udf_with_backward_error, (t1, t2)).sum()
         for _ in range(5):
-            with pytest.raises(RuntimeError, match=f"Error on Node {world.peer_rank()}: "
-                                                   f"{SIMULATED}"):
+            with pytest.raises(
+                RuntimeError, match=f"Error on Node {world.peer_rank()}: {SIMULATED}"
+            ):
                 dist_autograd.backward(context_id, [loss], retain_graph=True)
             assert dist_autograd.get_gradients(context_id) == {}
         rpc.rpc_sync(world.peer(), set_remote_flag, (key, None))
         for i in range(1, 6):
             dist_autograd.backward(context_id, [loss], retain_graph=True)
-            assert_grads_match(dist_autograd.get_gradients(context_id), [t1, t2],
-                               [i * e for e in expected])
+            assert_grads_match(
+                dist_autograd.get_gradients(context_id), [t1, t2], [i * e for e in expected]
+            )
         assert_no_backward_pass_anywhere(world)
 
 
@@ -244,8 +260,9 @@ def test_error_in_one_of_several_branches(rpc_world):
         rpc.rpc_sync(world.peer(1), set_remote_flag, (("fail", context_id), None))
         before = dist_autograd.get_gradients(context_id).get(t1, torch.zeros(3, 3))
         dist_autograd.backward(context_id, [bad.sum(), good.sum()])
-        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[t1] - before,
-                                   torch.full((3, 3), 7.0))
+        torch.testing.assert_close(
+            dist_autograd.get_gradients(context_id)[t1] - before, torch.full((3, 3), 7.0)
+        )
         assert_no_backward_pass_anywhere(world)
 
 
@@ -304,8 +321,7 @@ def test_timeout_during_backward(rpc_world):
         assert timeout_s * 0.9 <= elapsed < sleep_s - 1.0, elapsed
         # the peer's slow node finishes later; its pass must end everywhere
         world.barrier()
-        ok = wait_until(lambda: debug_info()["num_current_backward_passes"] == 0,
-                        sleep_s + 20)
+        ok = wait_until(lambda: debug_info()["num_current_backward_passes"] == 0, sleep_s + 20)
         assert ok, f"rank {world.rank}: backward pass still running: {debug_info()}"
         world.barrier()
         rpc.rpc_sync(world.peer(), set_remote_flag, (key, 0.0))
@@ -399,8 +415,9 @@ def test_unused_rpc_without_grad_is_fine(rpc_world):
             rpc.rpc_sync(rpc_world.peer(), torch.add, (t1, 1))
         loss = rpc.rpc_sync(rpc_world.peer(), torch.mul, (t1, 2)).sum()
         dist_autograd.backward(context_id, [loss])
-        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[t1],
-                                   torch.full((3, 3), 2.0))
+        torch.testing.assert_close(
+            dist_autograd.get_gradients(context_id)[t1], torch.full((3, 3), 2.0)
+        )
 
 
 def test_current_context_id_helper(rpc_world):

@@ -111,8 +111,9 @@ def test_strict_keeps_the_error_and_can_be_overridden(rpc_world):
         with pytest.raises(RuntimeError, match="got no gradient"):
             dist_autograd.backward(context_id, [loss], retain_graph=True)
         dist_autograd.backward(context_id, [loss], strict=False)
-        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[t1],
-                                   torch.full((3, 3), 2.0))
+        torch.testing.assert_close(
+            dist_autograd.get_gradients(context_id)[t1], torch.full((3, 3), 2.0)
+        )
     assert_no_backward_pass_anywhere(rpc_world)
 
 
@@ -287,8 +288,10 @@ def test_error_in_a_node_that_runs_after_settling(rpc_world):
         rpc.rpc_sync(world.peer(), set_flag, (("fail", context_id), True))
         out = rpc.rpc_sync(world.peer(), waits_on_unused_send_and_fails, (t, world.peer(2)))
         try:
-            with pytest.raises(RuntimeError, match=f"Error on Node {world.peer_rank()}: "
-                                                   "Simulate error on backward pass"):
+            with pytest.raises(
+                RuntimeError,
+                match=f"Error on Node {world.peer_rank()}: Simulate error on backward pass",
+            ):
                 dist_autograd.backward(context_id, [out.sum()])
             assert_no_backward_pass_anywhere(world)
         finally:

@@ -125,8 +125,11 @@ def reset_probe() -> None:
 
 OPTIMIZERS = [
     pytest.param(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, id="SGD-momentum"),
-    pytest.param(torch.optim.SGD, {"lr": 1e-3, "momentum": 1, "weight_decay": 1,
-                                   "nesterov": True}, id="SGD-nesterov-wd"),
+    pytest.param(
+        torch.optim.SGD,
+        {"lr": 1e-3, "momentum": 1, "weight_decay": 1, "nesterov": True},
+        id="SGD-nesterov-wd",
+    ),
     pytest.param(torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}, id="Adam-amsgrad"),
     pytest.param(torch.optim.AdamW, {"lr": 0.05, "amsgrad": True}, id="AdamW-amsgrad"),
     pytest.param(torch.optim.RMSprop, {"lr": 0.05}, id="RMSprop"),
@@ -169,8 +172,16 @@ def test_dist_optim_matches_local_optimizer(rpc_world, optim_cls, kwargs):
     assert rpc.rpc_sync(w1.owner(), grad_is_none, (w1,))
 
 
-@pytest.mark.parametrize("optim_cls", [torch.optim.SGD, torch.optim.Adam, torch.optim.RMSprop,
-                                       torch.optim.Rprop, torch.optim.Adadelta])
+@pytest.mark.parametrize(
+    "optim_cls",
+    [
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.RMSprop,
+        torch.optim.Rprop,
+        torch.optim.Adadelta,
+    ],
+)
 def test_dist_optim_leaves_params_without_grad_unchanged(rpc_world, optim_cls):
     kwargs = {} if optim_cls is torch.optim.Adadelta else {"lr": 0.05}
     local1, local2 = MyModule(), MyModule(requires_grad=False)
@@ -269,8 +280,9 @@ def test_step_with_unknown_context_raises(rpc_world):
         dist_optim.step(123456)
     with dist_autograd.context() as context_id:
         pass
-    with pytest.raises(RuntimeError, match=f"Could not find autograd context with id: "
-                                           f"{context_id}"):
+    with pytest.raises(
+        RuntimeError, match=f"Could not find autograd context with id: {context_id}"
+    ):
         dist_optim.step(context_id)
 
 
@@ -294,8 +306,12 @@ def make_dict():
 def test_params_rref_values_must_be_tensors(rpc_world, monkeypatch):
     owner = rpc_world.peer(1)
     w = rpc.remote(owner, MyModule).remote().get_w()
-    not_tensors = [rpc.remote(owner, make_dict), rpc.RRef(torch.nn.Parameter(torch.ones(2))),
-                   rpc.remote(owner, MyModule), rpc.RRef([torch.ones(2)])]
+    not_tensors = [
+        rpc.remote(owner, make_dict),
+        rpc.RRef(torch.nn.Parameter(torch.ones(2))),
+        rpc.remote(owner, MyModule),
+        rpc.RRef([torch.ones(2)]),
+    ]
     params = [w, not_tensors[0], not_tensors[1]]
     # One RPC per remote owner: the check rides on the optimizer's construction.
     sent, invoke, me = [], _core.invoke, threading.get_ident()
@@ -311,14 +327,19 @@ def test_params_rref_values_must_be_tensors(rpc_world, monkeypatch):
     assert sent == ["_new_local_optimizer"]
     assert str(info.value) == (
         f"DistributedOptimizer: params_rref[1] (owned by {owner}) holds a dict, not a tensor; "
-        "pass RRefs to parameters, e.g. RemoteModule.remote_parameters()")
+        "pass RRefs to parameters, e.g. RemoteModule.remote_parameters()"
+    )
     monkeypatch.undo()
     # A local RRef to a list, and several bad entries: the first is named, the others counted.
-    with pytest.raises(TypeError, match=rf"params_rref\[0\] \(owned by {rpc_world.name}\) holds "
-                                        r"a list, not a tensor; .* \(2 more entries hold no "
-                                        r"tensor either\)$"):
-        DistributedOptimizer(torch.optim.SGD, [not_tensors[3], w, not_tensors[2],
-                                               not_tensors[0]], lr=0.1)
+    with pytest.raises(
+        TypeError,
+        match=rf"params_rref\[0\] \(owned by {rpc_world.name}\) holds "
+        r"a list, not a tensor; .* \(2 more entries hold no "
+        r"tensor either\)$",
+    ):
+        DistributedOptimizer(
+            torch.optim.SGD, [not_tensors[3], w, not_tensors[2], not_tensors[0]], lr=0.1
+        )
     # Parameters and plain tensors, local or remote, are accepted.
     DistributedOptimizer(torch.optim.SGD, [w, not_tensors[1]], lr=0.1)
 
@@ -327,8 +348,9 @@ def test_optimizer_class_must_be_an_optimizer_subclass(rpc_world):
     p = torch.nn.Parameter(torch.ones(2))
     w = rpc.RRef(p)
     for bad in (torch.optim.SGD([p], lr=0.1), torch.nn.Linear, "SGD", None):
-        with pytest.raises(TypeError, match="optimizer_class must be a subclass of "
-                                            "torch.optim.Optimizer"):
+        with pytest.raises(
+            TypeError, match="optimizer_class must be a subclass of torch.optim.Optimizer"
+        ):
             DistributedOptimizer(bad, [w], lr=0.1)
 
 
@@ -374,8 +396,10 @@ def test_state_dict_round_trip_resumes_identically(rpc_world):
     owners = [rpc_world.peer(1), rpc_world.peer(2)]
 
     def build(ws=None):
-        modules = [rpc.remote(o, MyModule, (True, None if ws is None else ws[i]))
-                   for i, o in enumerate(owners)]
+        modules = [
+            rpc.remote(o, MyModule, (True, None if ws is None else ws[i]))
+            for i, o in enumerate(owners)
+        ]
         return modules, [m.remote().get_w() for m in modules]
 
     def train_step(modules, optim, t):
@@ -422,15 +446,19 @@ def _batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return indices, torch.tensor([0, 3, 7])
 
 
-@pytest.mark.parametrize(("optim_cls", "kwargs"), [
-    pytest.param(torch.optim.SGD, {"lr": 0.1}, id="SGD"),
-    pytest.param(torch.optim.SparseAdam, {"lr": 0.05}, id="SparseAdam"),
-])
+@pytest.mark.parametrize(
+    ("optim_cls", "kwargs"),
+    [
+        pytest.param(torch.optim.SGD, {"lr": 0.1}, id="SGD"),
+        pytest.param(torch.optim.SparseAdam, {"lr": 0.05}, id="SparseAdam"),
+    ],
+)
 def test_sparse_embedding_bag_on_parameter_server(rpc_world, optim_cls, kwargs):
     ps = rpc_world.names[-1]
     local = torch.nn.EmbeddingBag(NUM_EMBEDDINGS, EMBEDDING_DIM, mode="sum", sparse=True)
-    remote = RemoteModule(ps, torch.nn.EmbeddingBag, (NUM_EMBEDDINGS, EMBEDDING_DIM),
-                          {"mode": "sum", "sparse": True})
+    remote = RemoteModule(
+        ps, torch.nn.EmbeddingBag, (NUM_EMBEDDINGS, EMBEDDING_DIM), {"mode": "sum", "sparse": True}
+    )
     remote.load_remote_state_dict(local.state_dict())
     local_optim = optim_cls(local.parameters(), **kwargs)
     dist_optim = DistributedOptimizer(optim_cls, remote.remote_parameters(), **kwargs)
@@ -453,8 +481,9 @@ def test_sparse_embedding_bag_on_parameter_server(rpc_world, optim_cls, kwargs):
 def test_sparse_gradients_accumulate_over_backward_passes(rpc_world):
     ps = rpc_world.names[-1]
     local = torch.nn.EmbeddingBag(NUM_EMBEDDINGS, EMBEDDING_DIM, mode="sum", sparse=True)
-    remote = RemoteModule(ps, torch.nn.EmbeddingBag, (NUM_EMBEDDINGS, EMBEDDING_DIM),
-                          {"mode": "sum", "sparse": True})
+    remote = RemoteModule(
+        ps, torch.nn.EmbeddingBag, (NUM_EMBEDDINGS, EMBEDDING_DIM), {"mode": "sum", "sparse": True}
+    )
     remote.load_remote_state_dict(local.state_dict())
     indices, offsets = _batch(torch.Generator().manual_seed(rpc_world.rank))
     (local(indices, offsets).pow(2).sum() * 2).backward()
@@ -475,8 +504,9 @@ def dense_rows(module_rref) -> torch.Tensor:
 def test_leaf_with_sparse_and_dense_gradients_from_two_rpcs(rpc_world):
     ps = rpc_world.names[-1]
     local = torch.nn.EmbeddingBag(NUM_EMBEDDINGS, EMBEDDING_DIM, mode="sum", sparse=True)
-    remote = RemoteModule(ps, torch.nn.EmbeddingBag, (NUM_EMBEDDINGS, EMBEDDING_DIM),
-                          {"mode": "sum", "sparse": True})
+    remote = RemoteModule(
+        ps, torch.nn.EmbeddingBag, (NUM_EMBEDDINGS, EMBEDDING_DIM), {"mode": "sum", "sparse": True}
+    )
     remote.load_remote_state_dict(local.state_dict())
     indices, offsets = _batch(torch.Generator().manual_seed(rpc_world.rank))
     (local(indices, offsets).sum() + (local.weight[:2] * 2).sum()).backward()

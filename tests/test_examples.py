@@ -53,15 +53,20 @@ def assert_params_close(got: dict, expected: dict[str, torch.Tensor], what: str)
     assert sorted(got) == sorted(expected), f"{what}: parameter names differ"
     for name, value in expected.items():
         actual = got[name] if isinstance(got[name], torch.Tensor) else torch.tensor(got[name])
-        torch.testing.assert_close(actual, value, atol=ATOL, rtol=0,
-                                   msg=lambda m, n=name: f"{what}: {n}: {m}")
+        torch.testing.assert_close(
+            actual, value, atol=ATOL, rtol=0, msg=lambda m, n=name: f"{what}: {n}: {m}"
+        )
 
 
 def assert_losses_close(got: list[float], expected: list[float], what: str) -> None:
     assert len(got) == len(expected), f"{what}: {len(got)} losses, expected {len(expected)}"
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
-                               torch.tensor(expected, dtype=torch.float64),
-                               atol=ATOL, rtol=1e-5, msg=lambda m: f"{what} losses: {m}")
+    torch.testing.assert_close(
+        torch.tensor(got, dtype=torch.float64),
+        torch.tensor(expected, dtype=torch.float64),
+        atol=ATOL,
+        rtol=1e-5,
+        msg=lambda m: f"{what} losses: {m}",
+    )
 
 
 def mean(values: list[float]) -> float:
@@ -75,19 +80,29 @@ def run_example(tmp_path: Path, ranks: int, script: str, *flags: str) -> tuple[d
     """
     dump = tmp_path / "dump.json"
     argv, extra_env = mpi_launch.command(
-        LAUNCHER, ranks, [sys.executable, "-m", "mpi4py", str(EXAMPLES / script), *flags,
-                          "--dump", str(dump)], timeout_s=JOB_TIMEOUT_S)
+        LAUNCHER,
+        ranks,
+        [sys.executable, "-m", "mpi4py", str(EXAMPLES / script), *flags, "--dump", str(dump)],
+        timeout_s=JOB_TIMEOUT_S,
+    )
     start = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=REPO, env=mpi_launch.job_env(extra_env),
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env=mpi_launch.job_env(extra_env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=JOB_TIMEOUT_S + 30)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(argv)} still running after {time.monotonic() - start:.0f} s. "
-                    f"Output:\n{out}")
+        pytest.fail(
+            f"{' '.join(argv)} still running after {time.monotonic() - start:.0f} s. Output:\n{out}"
+        )
     assert proc.returncode == 0, f"{' '.join(argv)} exited with {proc.returncode}:\n{out}"
     assert "Traceback" not in out, out
     return json.loads(dump.read_text()), out
@@ -141,8 +156,9 @@ def test_ddp_rpc_job_matches_single_process(tmp_path):
 def test_ddp_rpc_job_without_lockstep_trains(tmp_path):
     # The tutorial's schedule: table updates land whenever they land (not reproducible).
     epochs, batches = 3, 10
-    dump, _ = run_example(tmp_path, 4, "ddp_rpc.py", "--epochs", str(epochs), "--no-lockstep",
-                          "--quiet")
+    dump, _ = run_example(
+        tmp_path, 4, "ddp_rpc.py", "--epochs", str(epochs), "--no-lockstep", "--quiet"
+    )
     assert dump["fc_equal"], "the trainers' dense layers differ"
     for t in range(2):
         losses = dump["losses"][t]
@@ -183,8 +199,9 @@ def test_parameter_server_in_session(rpc_world):
     is_trainer = rpc_world.rank < rpc_world.size - 1
     trainers = rpc_world.comm.Split(0 if is_trainer else MPI.UNDEFINED, rpc_world.rank)
     if is_trainer:
-        result = parameter_server.train(trainers, steps, seed=seed,
-                                        ps=rpc_world.names[-1], verbose=False)
+        result = parameter_server.train(
+            trainers, steps, seed=seed, ps=rpc_world.names[-1], verbose=False
+        )
         ref = parameter_server.reference(rpc_world.size - 1, steps, seed=seed)
         me = trainers.Get_rank()
         trainers.Free()
@@ -204,9 +221,13 @@ def test_ddp_rpc_in_session(rpc_world):
         ddp_rpc._trainers_comm = trainers
     rpc_world.barrier()  # every trainer is ready before the master starts them
     if rank == ddp_rpc.MASTER:
-        result = ddp_rpc.run_master(epochs, batches, verbose=False, ps=rpc_world.names[ddp_rpc.PS],
-                                    trainer_names=tuple(rpc_world.names[r]
-                                                        for r in ddp_rpc.TRAINERS))
+        result = ddp_rpc.run_master(
+            epochs,
+            batches,
+            verbose=False,
+            ps=rpc_world.names[ddp_rpc.PS],
+            trainer_names=tuple(rpc_world.names[r] for r in ddp_rpc.TRAINERS),
+        )
         ref = ddp_rpc.reference(epochs, batches)
         assert result["fc_equal"]
         assert_params_close(result["params"], ref["params"], "master")

@@ -50,9 +50,15 @@ def world():
 
 
 def make_trainer(strategy=None, **kwargs) -> L.Trainer:
-    options = dict(accelerator="cpu", logger=False, enable_checkpointing=False,
-                   enable_model_summary=False, enable_progress_bar=False,
-                   num_sanity_val_steps=0, limit_val_batches=0)
+    options = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     options.update(kwargs)
     return L.Trainer(strategy=strategy or DistAutogradStrategy(num_servers=1), **options)
 
@@ -92,8 +98,9 @@ def local_pipeline(**kwargs) -> pipe_example.PipelineModel:
 
 def local_embedding(**kwargs) -> emb_example.EmbeddingPSModel:
     model = embedding_model(**kwargs)
-    model.emb = emb_example.SeededEmbeddingBag(emb_example.VOCAB, emb_example.DIM,
-                                               model.hparams.seed)
+    model.emb = emb_example.SeededEmbeddingBag(
+        emb_example.VOCAB, emb_example.DIM, model.hparams.seed
+    )
     return model
 
 
@@ -105,17 +112,28 @@ def global_batch(dataset: TensorDataset, index: int, trainers: int, epoch: int =
     """
     rows = []
     for t in range(trainers):
-        sampler = DistributedSampler(dataset, num_replicas=trainers, rank=t, shuffle=True,
-                                     seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        sampler = DistributedSampler(
+            dataset,
+            num_replicas=trainers,
+            rank=t,
+            shuffle=True,
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+        )
         sampler.set_epoch(epoch)
-        rows += list(sampler)[index * BATCH:(index + 1) * BATCH]
+        rows += list(sampler)[index * BATCH : (index + 1) * BATCH]
     return tuple(tensor[rows] for tensor in dataset.tensors)
 
 
-def reference_state(model: L.LightningModule, dataset: TensorDataset, steps: int, *,
-                    accumulate: int = 1, clip_norm: float | None = None,
-                    clip_value: float | None = None,
-                    remote_prefix: str = "second.") -> dict[str, torch.Tensor]:
+def reference_state(
+    model: L.LightningModule,
+    dataset: TensorDataset,
+    steps: int,
+    *,
+    accumulate: int = 1,
+    clip_norm: float | None = None,
+    clip_value: float | None = None,
+    remote_prefix: str = "second.",
+) -> dict[str, torch.Tensor]:
     """Train ``model`` (all local) in one process as the strategy trains it on the trainers.
 
     Clipping by value clamps the mean gradient of local parameters and each trainer's gradient
@@ -130,26 +148,28 @@ def reference_state(model: L.LightningModule, dataset: TensorDataset, steps: int
     for _ in range(steps):
         optimizer.zero_grad()
         for _ in range(accumulate):
-            x, y = global_batch(dataset, index % batches_per_epoch, trainers,
-                                index // batches_per_epoch)
+            x, y = global_batch(
+                dataset, index % batches_per_epoch, trainers, index // batches_per_epoch
+            )
             (nn.functional.mse_loss(model(x), y) / accumulate).backward()
             index += 1
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         if clip_value is not None:
-            _clip_value_like_the_strategy(model, dataset, index - 1, batches_per_epoch,
-                                          clip_value, remote_prefix)
+            _clip_value_like_the_strategy(
+                model, dataset, index - 1, batches_per_epoch, clip_value, remote_prefix
+            )
         optimizer.step()
         if schedule is not None and index % batches_per_epoch == 0:
             schedule.step()
     return model.state_dict()
 
 
-def _clip_value_like_the_strategy(model, dataset, index, batches_per_epoch, clip_value,
-                                  remote_prefix):
+def _clip_value_like_the_strategy(
+    model, dataset, index, batches_per_epoch, clip_value, remote_prefix
+):
     trainers = num_trainers()
-    x, y = global_batch(dataset, index % batches_per_epoch, trainers,
-                        index // batches_per_epoch)
+    x, y = global_batch(dataset, index % batches_per_epoch, trainers, index // batches_per_epoch)
     params = dict(model.named_parameters())
     clipped = {name: torch.zeros_like(p) for name, p in params.items()}
     for t in range(trainers):
@@ -157,12 +177,18 @@ def _clip_value_like_the_strategy(model, dataset, index, batches_per_epoch, clip
         model.zero_grad()
         nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
         for name, p in params.items():
-            grad = p.grad.clamp(-clip_value, clip_value) if name.startswith(remote_prefix) else (
-                p.grad)
+            grad = (
+                p.grad.clamp(-clip_value, clip_value)
+                if name.startswith(remote_prefix)
+                else (p.grad)
+            )
             clipped[name] += grad / trainers
     for name, p in params.items():
-        p.grad = clipped[name] if name.startswith(remote_prefix) else (
-            clipped[name].clamp(-clip_value, clip_value))
+        p.grad = (
+            clipped[name]
+            if name.startswith(remote_prefix)
+            else (clipped[name].clamp(-clip_value, clip_value))
+        )
 
 
 def assert_states_close(actual: dict, expected: dict, tol: float = TOL) -> None:
@@ -256,8 +282,7 @@ def test_gradient_clipping_by_norm_covers_local_and_remote_gradients(rpc_world):
 @pytest.mark.mpi(min_size=2)
 def test_gradient_clipping_by_value_clamps_each_trainers_remote_contribution(rpc_world):
     data = pipeline_data(steps_per_epoch=2)
-    trainer = make_trainer(max_epochs=1, gradient_clip_val=0.01,
-                           gradient_clip_algorithm="value")
+    trainer = make_trainer(max_epochs=1, gradient_clip_val=0.01, gradient_clip_algorithm="value")
     trainer.fit(pipeline_model(lr=0.5), loader(data))
     if trainer.strategy.is_server:
         return
@@ -410,8 +435,10 @@ def test_sampler_splits_the_data_and_sync_dist_reduces_over_trainers(rpc_world):
         return
     strategy = trainer.strategy
     assert trainer.world_size == trainers
-    assert strategy.distributed_sampler_kwargs == {"num_replicas": trainers,
-                                                   "rank": trainer.global_rank}
+    assert strategy.distributed_sampler_kwargs == {
+        "num_replicas": trainers,
+        "rank": trainer.global_rank,
+    }
     everyone = strategy._collectives.allgather_object(model.seen)
     assert sorted(i for seen in everyone for i in seen) == list(range(4 * BATCH * trainers))
     metrics = trainer.callback_metrics
@@ -560,9 +587,15 @@ def test_package_import_registers_distgrad_without_importing_lightning():
         "import lightning as L\n"
         "from lightning.pytorch.strategies import StrategyRegistry\n"
         "assert 'distgrad' in StrategyRegistry\n"
-        "assert lightning_distgrad.DistAutogradStrategy.__module__.endswith('strategy')\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        "assert lightning_distgrad.DistAutogradStrategy.__module__.endswith('strategy')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -585,8 +618,11 @@ class RoutedExperts(L.LightningModule):
         if self.expert0 is None:
             strategy = self.trainer.strategy
             self.expert0, self.expert1 = (
-                strategy.remote_module(strategy.server_device(0), pipe_example.SecondHalf,
-                                       kwargs={"seed": seed}) for seed in (0, 1))
+                strategy.remote_module(
+                    strategy.server_device(0), pipe_example.SecondHalf, kwargs={"seed": seed}
+                )
+                for seed in (0, 1)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate(x)
@@ -618,7 +654,9 @@ def test_routed_remote_experts_train_as_one_process_with_unused_experts_untouche
         optimizer.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()
         # torch.optim skips a parameter whose .grad is None: the unused expert stays as it is.
-        assert all(p.grad is None for p in
-                   (reference.expert1 if reference.route == 0 else reference.expert0).parameters())
+        assert all(
+            p.grad is None
+            for p in (reference.expert1 if reference.route == 0 else reference.expert0).parameters()
+        )
         optimizer.step()
     assert_states_close(distributed_state(trainer), reference.state_dict())

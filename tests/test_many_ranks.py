@@ -20,8 +20,13 @@ TIMEOUT_S = 240
 
 @pytest.mark.skipif(LAUNCHER is None, reason="no MPI launcher found")
 def test_rpc_rrefs_autograd_and_optimizer_on_16_ranks(tmp_path):
-    result = mpi_job(RANKS, [sys.executable, "-m", "mpi4py", str(TESTS / "jobs" / "many_ranks.py")],
-                     TIMEOUT_S, tmp_path, {"TMPDIR": str(tmp_path)})
+    result = mpi_job(
+        RANKS,
+        [sys.executable, "-m", "mpi4py", str(TESTS / "jobs" / "many_ranks.py")],
+        TIMEOUT_S,
+        tmp_path,
+        {"TMPDIR": str(tmp_path)},
+    )
     assert result.code == 0, result.describe()
     # Lines of different ranks may run together in the job's output: no line anchors.
     done = sorted(int(r) for r in re.findall(r"MANY_RANKS_OK (\d+)", result.output))

@@ -53,8 +53,9 @@ def remote_module_attributes(remote_module: RemoteModule) -> list[str]:
 
 
 def remote_module_fields(remote_module: RemoteModule) -> dict:
-    return {k: getattr(remote_module, k) for k in ("on", "device", "is_device_map_set",
-                                                     "is_scriptable")}
+    return {
+        k: getattr(remote_module, k) for k in ("on", "device", "is_device_map_set", "is_scriptable")
+    }
 
 
 def remote_forward(remote_module: RemoteModule, args: tuple):
@@ -95,25 +96,44 @@ ARGS = (torch.ones(1), 2, "3")
 
 def test_bad_module_raises_at_first_use(rpc_world):
     for dst in _destinations(rpc_world):
-        with pytest.raises(ValueError, match=r"Expect `module_cls\(\*args, \*\*kwargs\)` returns "
-                                             r"an instance of <class nn.Module>, but it returns "
-                                             r"an instance of <class '.*BadModule'>"):
+        with pytest.raises(
+            ValueError,
+            match=r"Expect `module_cls\(\*args, \*\*kwargs\)` returns "
+            r"an instance of <class nn.Module>, but it returns "
+            r"an instance of <class '.*BadModule'>",
+        ):
             _create(dst, BadModule).forward()
 
 
-@pytest.mark.parametrize("bad", ["worker1/cpu/0", "/cpu", "rank:x/cpu", "rank:1:2/cpu",
-                                 "worker1:1/cpu", "worker1/not_a_device", "rank:/cpu", ""])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "worker1/cpu/0",
+        "/cpu",
+        "rank:x/cpu",
+        "rank:1:2/cpu",
+        "worker1:1/cpu",
+        "worker1/not_a_device",
+        "rank:/cpu",
+        "",
+    ],
+)
 def test_malformed_remote_device_raises(rpc_world, bad):
-    expected = (f"Could not parse remote_device: {bad}. The valid format is "
-                "'<workername>/<device>' or 'rank:<rank>/<device>' or '<device>'")
+    expected = (
+        f"Could not parse remote_device: {bad}. The valid format is "
+        "'<workername>/<device>' or 'rank:<rank>/<device>' or '<device>'"
+    )
     with pytest.raises(ValueError) as info:
         RemoteModule(bad, MyModule, (1,))
     assert str(info.value) == expected
 
 
 def test_unknown_worker_raises_at_construction(rpc_world):
-    with pytest.raises(ValueError, match="'nobody/cpu' names a worker that is not in this RPC "
-                                         "job. Known workers: worker0 \\(rank 0\\)"):
+    with pytest.raises(
+        ValueError,
+        match="'nobody/cpu' names a worker that is not in this RPC "
+        "job. Known workers: worker0 \\(rank 0\\)",
+    ):
         RemoteModule("nobody/cpu", MyModule, (1,))
     with pytest.raises(ValueError, match="'rank:99/cpu' names a worker that is not in this RPC"):
         RemoteModule("rank:99/cpu", MyModule, (1,))
@@ -236,25 +256,48 @@ def test_remote_state_dict_round_trip(rpc_world):
 
 def test_unsupported_methods(rpc_world):
     m = _create(rpc_world.peer(1))
-    with pytest.raises(ValueError, match=r"^Method ``parameters`` not supported for "
-                                         r"RemoteModule. Please use ``remote_parameters`` "
-                                         r"instead.$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Method ``parameters`` not supported for "
+        r"RemoteModule. Please use ``remote_parameters`` "
+        r"instead.$",
+    ):
         m.parameters()
     calls = {
-        "register_buffer": ("b", torch.ones(1)), "register_parameter": ("p", None),
-        "add_module": ("m", nn.Linear(1, 1)), "apply": (lambda mod: None,), "cuda": (),
-        "ipu": (), "xpu": (), "cpu": (), "type": (torch.float,), "float": (), "double": (),
-        "half": (), "bfloat16": (), "to": ("cpu",), "register_backward_hook": (None,),
-        "register_forward_pre_hook": (None,), "register_forward_hook": (None,),
-        "state_dict": (), "load_state_dict": ({},), "named_parameters": (), "buffers": (),
-        "named_buffers": (), "children": (), "named_children": (), "modules": (),
-        "named_modules": (), "requires_grad_": (), "zero_grad": (), "share_memory": (),
+        "register_buffer": ("b", torch.ones(1)),
+        "register_parameter": ("p", None),
+        "add_module": ("m", nn.Linear(1, 1)),
+        "apply": (lambda mod: None,),
+        "cuda": (),
+        "ipu": (),
+        "xpu": (),
+        "cpu": (),
+        "type": (torch.float,),
+        "float": (),
+        "double": (),
+        "half": (),
+        "bfloat16": (),
+        "to": ("cpu",),
+        "register_backward_hook": (None,),
+        "register_forward_pre_hook": (None,),
+        "register_forward_hook": (None,),
+        "state_dict": (),
+        "load_state_dict": ({},),
+        "named_parameters": (),
+        "buffers": (),
+        "named_buffers": (),
+        "children": (),
+        "named_children": (),
+        "modules": (),
+        "named_modules": (),
+        "requires_grad_": (),
+        "zero_grad": (),
+        "share_memory": (),
         "extra_repr": (),
     }
     assert set(calls) == set(_UNSUPPORTED_METHODS)
     for name, args in calls.items():
-        with pytest.raises(ValueError, match=f"^Method ``{name}`` not supported for "
-                                             "RemoteModule"):
+        with pytest.raises(ValueError, match=f"^Method ``{name}`` not supported for RemoteModule"):
             getattr(m, name)(*args)
     with pytest.raises(ValueError, match="Please use ``remote_state_dict`` instead"):
         m.state_dict()
@@ -267,8 +310,10 @@ def test_unsupported_methods(rpc_world):
 
 def test_python_pickle_and_torch_save_are_not_supported(rpc_world):
     m = _create(rpc_world.peer(1))
-    message = ("Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled "
-               "when using RPC")
+    message = (
+        "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled "
+        "when using RPC"
+    )
     with pytest.raises(RuntimeError, match=message):
         torch.save(m, io.BytesIO())
     with pytest.raises(RuntimeError, match=message):
@@ -298,8 +343,12 @@ def test_send_remote_module_over_the_wire(rpc_world):
     base = set(vars(nn.Module()))  # a fresh, empty nn.Module state on the receiver
     assert set(attrs) == set(_REMOTE_MODULE_PICKLED_ATTRIBUTES) | installed | base
     fields = rpc.rpc_sync(third, remote_module_fields, (m,))
-    assert fields == {"on": owner, "device": "cpu", "is_device_map_set": False,
-                      "is_scriptable": False}
+    assert fields == {
+        "on": owner,
+        "device": "cpu",
+        "is_device_map_set": False,
+        "is_scriptable": False,
+    }
     # The third worker uses the module that lives on the owner.
     assert rpc.rpc_sync(third, remote_forward, (m, ARGS)) == tuple(reversed(ARGS))
     assert rpc.rpc_sync(third, remote_forward_async, (m, ARGS)) == tuple(reversed(ARGS))
@@ -313,16 +362,16 @@ def test_new_attribute_is_not_pickled_over_the_wire(rpc_world):
     with pytest.warns(UserWarning, match="new attribute ``new_attr`` of RemoteModule is ignored"):
         assert not rpc.rpc_sync(rpc_world.peer(2), has_attribute, (m, "new_attr"))
     with pytest.warns(UserWarning):
-        assert rpc.rpc_sync(rpc_world.peer(2), remote_forward, (m, ARGS)) == \
-            tuple(reversed(ARGS))
+        assert rpc.rpc_sync(rpc_world.peer(2), remote_forward, (m, ARGS)) == tuple(reversed(ARGS))
 
 
 @pytest.mark.mpi(min_size=3)
 def test_create_remote_module_from_module_rref(rpc_world):
     owner, third = rpc_world.peer(1), rpc_world.peer(2)
     m = _create(f"{owner}/cpu")
-    shared = rpc.rpc_sync(third, RemoteModule.init_from_module_rref,
-                          (f"{owner}/cpu", m.get_module_rref()))
+    shared = rpc.rpc_sync(
+        third, RemoteModule.init_from_module_rref, (f"{owner}/cpu", m.get_module_rref())
+    )
     assert shared.forward(*ARGS) == tuple(reversed(ARGS))
     assert shared.get_module_rref().owner().name == owner
     local = RemoteModule.init_from_module_rref(owner, m.get_module_rref())
@@ -333,8 +382,9 @@ def test_create_remote_module_from_module_rref(rpc_world):
 def test_init_from_module_rref_checks_the_owner(rpc_world):
     m = _create(rpc_world.peer(1))
     wrong = rpc_world.name  # never the owner: peer(1) != self for >= 2 ranks
-    with pytest.raises(ValueError, match=f"names worker {wrong}, but module_rref is owned by "
-                                         f"{rpc_world.peer(1)}"):
+    with pytest.raises(
+        ValueError, match=f"names worker {wrong}, but module_rref is owned by {rpc_world.peer(1)}"
+    ):
         RemoteModule.init_from_module_rref(wrong, m.get_module_rref())
     with pytest.raises(TypeError, match="module_rref must be an RRef"):
         RemoteModule.init_from_module_rref(rpc_world.peer(1), m)

@@ -166,8 +166,9 @@ def test_builtin_torch_op_runs_remotely(rpc_world):
     assert torch.equal(rpc.rpc_sync(rpc_world.peer(), torch.add, (a, b)), a + b)
     assert torch.equal(rpc.rpc_sync(rpc_world.peer(), torch.add, (a, 3)), a + 3)
     assert torch.equal(rpc.rpc_sync(rpc_world.peer(), torch.matmul, (a, b.t())), a @ b.t())
-    assert rpc.rpc_sync(rpc_world.peer(), torch.nonzero, (torch.tensor([0, 1, 0, 1]),)).tolist() \
-        == [[1], [3]]
+    assert rpc.rpc_sync(
+        rpc_world.peer(), torch.nonzero, (torch.tensor([0, 1, 0, 1]),)
+    ).tolist() == [[1], [3]]
 
 
 def test_python_builtin_and_user_function_with_kwargs(rpc_world):
@@ -205,7 +206,8 @@ def test_a_then_callback_may_wait_for_another_rpc_async(rpc_world):
     x = torch.ones(2)
     peer = rpc_world.peer()
     fut = rpc.rpc_async(peer, torch.add, (x, 1)).then(
-        lambda f: rpc.rpc_async(peer, torch.add, (f.wait(), 1)).wait())
+        lambda f: rpc.rpc_async(peer, torch.add, (f.wait(), 1)).wait()
+    )
     assert torch.equal(fut.wait(), x + 2)
 
 
@@ -223,8 +225,10 @@ def test_waiting_on_an_rpc_async_whose_callback_makes_an_rpc(rpc_world):
 
 
 def test_many_rpc_async_collected_together(rpc_world):
-    futs = [rpc.rpc_async(rpc_world.names[i % rpc_world.size], torch.add, (torch.ones(3), i))
-            for i in range(50)]
+    futs = [
+        rpc.rpc_async(rpc_world.names[i % rpc_world.size], torch.add, (torch.ones(3), i))
+        for i in range(50)
+    ]
     results = torch.futures.wait_all(futs)
     for i, r in enumerate(results):
         assert torch.equal(r, torch.full((3,), 1.0 + i))
@@ -280,8 +284,9 @@ def test_async_execution_answers_when_its_future_completes(rpc_world):
     assert torch.equal(out, x + 3)
     out = rpc.rpc_async(rpc_world.peer(), async_chain, (rpc_world.peer(2), rpc_world.name, x))
     assert torch.equal(out.wait(), x + 11)
-    assert torch.equal(rpc.remote(rpc_world.peer(), async_add, (rpc_world.peer(2), x, 1))
-                       .to_here(), x + 2)
+    assert torch.equal(
+        rpc.remote(rpc_world.peer(), async_add, (rpc_world.peer(2), x, 1)).to_here(), x + 2
+    )
     out = rpc.rpc_sync(rpc_world.peer(), async_fanout, (rpc_world.names, x))
     assert torch.equal(out, (x + 1) * rpc_world.size)
 
@@ -330,8 +335,14 @@ def test_debug_info_counts_traffic_per_peer(rpc_world):
     """``_get_debug_info`` merges RRef, agent and autograd figures, with per-peer traffic."""
     peer = rpc_world.peer()
     before = rpc.api._get_debug_info()
-    assert {"num_owner_rrefs", "num_pending_requests", "handler_queue_depth",
-            "num_handlers_running", "num_autograd_contexts", "peers"} <= set(before)
+    assert {
+        "num_owner_rrefs",
+        "num_pending_requests",
+        "handler_queue_depth",
+        "num_handlers_running",
+        "num_autograd_contexts",
+        "peers",
+    } <= set(before)
     assert set(before["peers"]) == set(rpc_world.names)
     payload = torch.zeros(100_000, dtype=torch.uint8)  # sent as a buffer, not inline
     for _ in range(3):

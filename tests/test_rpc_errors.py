@@ -100,8 +100,9 @@ def async_nested_raise(to):
 
 def assert_usable(world) -> None:
     """A normal RPC to every worker (self included) works right now."""
-    futs = [rpc.rpc_async(name, torch.add, (torch.ones(2), i))
-            for i, name in enumerate(world.names)]
+    futs = [
+        rpc.rpc_async(name, torch.add, (torch.ones(2), i)) for i, name in enumerate(world.names)
+    ]
     for i, fut in enumerate(futs):
         assert torch.equal(fut.wait(), torch.full((2,), 1.0 + i))
     assert rpc.rpc_sync(world.peer(), builtins.abs, (-2,)) == 2
@@ -172,8 +173,9 @@ def test_non_callable_func_raises_type_error_before_sending(rpc_world, sent, api
 
 
 @pytest.mark.parametrize("api", ["rpc_sync", "rpc_async", "remote"])
-@pytest.mark.parametrize("bad", ["lambda_arg", "lock_arg", "lock_kwarg", "lambda_func",
-                                 "local_func"])
+@pytest.mark.parametrize(
+    "bad", ["lambda_arg", "lock_arg", "lock_kwarg", "lambda_func", "local_func"]
+)
 def test_unpicklable_call_raises_type_error(rpc_world, sent, api, bad):
     def local_func(x):
         return x
@@ -382,8 +384,10 @@ def test_default_timeout_applies_to_calls_issued_afterwards(rpc_world):
 
 
 BAD_TIMEOUTS = [-5, -0.001, -1.5, float("nan"), float("inf"), float("-inf"), "1", None, True]
-TIMEOUT_RULE = (r"timeout must be a number of seconds >= 0 \(0: no timeout\) or "
-                r"UNSET_RPC_TIMEOUT \(-1\) for the default; got ")
+TIMEOUT_RULE = (
+    r"timeout must be a number of seconds >= 0 \(0: no timeout\) or "
+    r"UNSET_RPC_TIMEOUT \(-1\) for the default; got "
+)
 
 
 @pytest.mark.parametrize("bad", BAD_TIMEOUTS, ids=repr)
@@ -407,8 +411,11 @@ def test_bad_timeout_raises_value_error_before_sending(rpc_world, sent, bad):
             call()
         got = repr(bad) if type(bad) in (int, float) else f"{bad!r} ({type(bad).__name__})"
         assert f"; got {got}" in str(info.value)
-    with pytest.raises(ValueError, match=r"rpc_timeout must be a number of seconds >= 0 "
-                                         r"\(0: no timeout\); got "):
+    with pytest.raises(
+        ValueError,
+        match=r"rpc_timeout must be a number of seconds >= 0 "
+        r"\(0: no timeout\); got ",
+    ):
         rpc._set_rpc_timeout(bad)
     with pytest.raises(ValueError, match="rpc_timeout must be"):
         rpc._set_rpc_timeout(rpc.UNSET_RPC_TIMEOUT)  # the default cannot be "the default"
@@ -424,17 +431,21 @@ def test_bad_timeout_raises_value_error_before_sending(rpc_world, sent, bad):
 def test_timeout_error_names_the_timeout_and_the_destination(rpc_world):
     peer, peer_rank = rpc_world.peer(), rpc_world.peer_rank()
     where = rf"and will now be marked with an error \(call to {peer}, rank {peer_rank}\)$"
-    with pytest.raises(RuntimeError, match=r"^RPC ran for more than set timeout \(0\.001 ms\) "
-                                           + where):
+    with pytest.raises(
+        RuntimeError, match=r"^RPC ran for more than set timeout \(0\.001 ms\) " + where
+    ):
         rpc.rpc_sync(peer, sleep_then_return, (0.3, 1), timeout=1e-6)
     with pytest.raises(RuntimeError, match=r"set timeout \(100 ms\) " + where):
         rpc.rpc_async(peer, sleep_then_return, (0.6, 2), timeout=0.1).wait()
     rref = rpc.remote(peer, sleep_then_return, (0.6, 3), timeout=0.0005)
     with pytest.raises(RuntimeError, match=r"set timeout \(0\.5 ms\) " + where):
         rref._get_future().wait()
-    with pytest.raises(RuntimeError, match=r"RRef creation via rpc.remote\(\) timed out, and it "
-                                           r"is possible that the RRef on the owner node does "
-                                           rf"not exist\. \(owner: {peer}, rank {peer_rank}\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"RRef creation via rpc.remote\(\) timed out, and it "
+        r"is possible that the RRef on the owner node does "
+        rf"not exist\. \(owner: {peer}, rank {peer_rank}\)",
+    ):
         rref.to_here()
     assert_usable(rpc_world)
 
@@ -489,4 +500,3 @@ def test_pickling_rref_outside_rpc_raises(rpc_world, tmp_path):
             torch.save({"nested": [rref]}, tmp_path / "rref.pt")
     assert torch.equal(user.to_here(), torch.full((2,), 2.0))
     assert_usable(rpc_world)
-

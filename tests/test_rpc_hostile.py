@@ -77,8 +77,9 @@ def call_with_metas(world, metas, timeout=30):
 
 
 def answers_normally(world):
-    return torch.equal(rpc.rpc_sync(world.peer(), torch.add, (torch.ones(2), 1)),
-                       torch.full((2,), 2.0))
+    return torch.equal(
+        rpc.rpc_sync(world.peer(), torch.add, (torch.ones(2), 1)), torch.full((2,), 2.0)
+    )
 
 
 @pytest.mark.parametrize("case", sorted(UNANSWERABLE))
@@ -131,6 +132,7 @@ def test_tensor_bytes_of_the_wrong_size_fail_the_call(rpc_world):
     transport = _core.require_agent().transport
     original = transport.send
     for sent in (4 * n - 8, 4 * n + 8):
+
         def short(dst, frame, tensors, devices=None, sent=sent):
             if frame.kind is not Kind.QUICK_REQUEST:
                 return original(dst, frame, tensors, devices)
@@ -171,8 +173,23 @@ def fuzz_frames(seed: int, count: int) -> list[tuple[bytes, list]]:
     rng = random.Random(seed)
     # No value names a context of the sender's (ids from 0 up): a well-formed release of
     # one would release it here, as a real one does.
-    values = [None, 0, -1, 7, 2**40, "x", b"", b"\x80\x04junk", 1.5, (), (1, 2), [-7], {},
-              bytearray(4), (FLOAT32, (1,), 4, bytearray(4), "cpu")]
+    values = [
+        None,
+        0,
+        -1,
+        7,
+        2**40,
+        "x",
+        b"",
+        b"\x80\x04junk",
+        1.5,
+        (),
+        (1, 2),
+        [-7],
+        {},
+        bytearray(4),
+        (FLOAT32, (1,), 4, bytearray(4), "cpu"),
+    ]
     frames = []
     for _ in range(count):
         kind = rng.choice([*Kind, 99, -3, "REQUEST", None])
@@ -182,16 +199,19 @@ def fuzz_frames(seed: int, count: int) -> list[tuple[bytes, list]]:
         if rng.random() < 0.2:
             meta = [FLOAT32, (17000,), 68000, None, "cpu"]  # bytes follow, maybe
         # Call ids the sender never uses itself: an answer must not meet a real call.
-        fields = [kind, rng.choice([-1, 10**9 + rng.randrange(1000), "id"]),
-                  rng.choice([None, b"", b"\x80\x04N.", rng.randbytes(20)]),
-                  rng.choice([(), (tuple(meta),), (tuple(meta), tuple(meta)), "m"]),
-                  rng.choice([None, (), (-7,), (1, 2), "b"]),
-                  rng.choice([(), ((1, 2),), "f"])]
+        fields = [
+            kind,
+            rng.choice([-1, 10**9 + rng.randrange(1000), "id"]),
+            rng.choice([None, b"", b"\x80\x04N.", rng.randbytes(20)]),
+            rng.choice([(), (tuple(meta),), (tuple(meta), tuple(meta)), "m"]),
+            rng.choice([None, (), (-7,), (1, 2), "b"]),
+            rng.choice([(), ((1, 2),), "f"]),
+        ]
         if rng.random() < 0.3:
             fields[rng.choice([0, 2, 3, 4, 5])] = rng.choice(values)
         raw = pickle.dumps(tuple(fields))
         if rng.random() < 0.1:
-            raw = raw[:rng.randrange(len(raw))]
+            raw = raw[: rng.randrange(len(raw))]
         elif rng.random() < 0.1:
             raw = rng.randbytes(rng.randrange(1, 64))
         buffers = [torch.zeros(68000, dtype=torch.uint8)] if rng.random() < 0.1 else []

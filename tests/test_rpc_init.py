@@ -135,8 +135,11 @@ def test_calls_before_the_first_init_rpc_do_not_say_shut_down(rpc_stopped, monke
 def test_bad_shutdown_timeout_raises_before_shutting_down(rpc_stopped):
     rpc.init_rpc()
     for bad in (-5, -0.001, rpc.UNSET_RPC_TIMEOUT, float("nan"), "1", None):
-        with pytest.raises(ValueError, match=r"^timeout must be a number of seconds >= 0 "
-                                             r"\(0: no timeout\); got "):
+        with pytest.raises(
+            ValueError,
+            match=r"^timeout must be a number of seconds >= 0 "
+            r"\(0: no timeout\); got ",
+        ):
             rpc.shutdown(timeout=bad)
     assert_works(rpc_stopped.names)  # still running
     rpc.shutdown(timeout=30)
@@ -155,13 +158,16 @@ def test_rref_used_after_shutdown_raises(rpc_stopped):
 # Argument checks: the same error on every rank, then a corrected retry works
 
 
-@pytest.mark.parametrize("bad_name, problem", [
-    ("bad*name", "Worker name must match"),
-    ("has space", "Worker name must match"),
-    ("", "must be non-empty"),
-    ("w" * 128, "shorter than 128"),
-    (42, "must be a str"),
-])
+@pytest.mark.parametrize(
+    "bad_name, problem",
+    [
+        ("bad*name", "Worker name must match"),
+        ("has space", "Worker name must match"),
+        ("", "must be non-empty"),
+        ("w" * 128, "shorter than 128"),
+        (42, "must be a str"),
+    ],
+)
 def test_malformed_name_on_one_rank_fails_init_everywhere(rpc_stopped, bad_name, problem):
     last = rpc_stopped.size - 1
     name = bad_name if rpc_stopped.rank == last else None
@@ -243,8 +249,11 @@ def test_explicit_arguments_and_options(rpc_stopped):
     assert rpc.rpc_sync(names[(rank + 1) % size], fire_and_forget, (me.name, 0.0, 5)) == 5
     rpc.shutdown()
     # torch's names for the same things work too.
-    rpc.init_rpc(name=None, backend=BackendType.TENSORPIPE,
-                 rpc_backend_options=TensorPipeRpcBackendOptions(rpc_timeout=0))
+    rpc.init_rpc(
+        name=None,
+        backend=BackendType.TENSORPIPE,
+        rpc_backend_options=TensorPipeRpcBackendOptions(rpc_timeout=0),
+    )
     assert rpc.get_rpc_timeout() == 0
     assert_works(rpc_stopped.names)
     rpc.shutdown()
@@ -276,8 +285,9 @@ def test_requests_right_after_init_rpc_are_served(rpc_stopped):
         rrefs = [rpc.remote(n, torch.add, (torch.ones(1), r)) for r, n in enumerate(names)]
         futs = [rpc.rpc_async(n, world_rank) for n in names]
         assert [f.wait() for f in futs] == list(range(rpc_stopped.size))
-        assert [int(r.to_here(timeout=30).item()) for r in rrefs] \
-            == [1 + r for r in range(rpc_stopped.size)]
+        assert [int(r.to_here(timeout=30).item()) for r in rrefs] == [
+            1 + r for r in range(rpc_stopped.size)
+        ]
         del rrefs
         rpc.shutdown()
 
@@ -303,8 +313,10 @@ def test_graceful_shutdown_with_uneven_workload(rpc_stopped):
     rpc.init_rpc()
     futs = []
     if rpc_stopped.rank == 0:  # the others shut down at once, with nothing of their own
-        futs = [rpc.rpc_async(rpc_stopped.names[1 + i % (rpc_stopped.size - 1)], slow_add,
-                              (0.02, i)) for i in range(60)]
+        futs = [
+            rpc.rpc_async(rpc_stopped.names[1 + i % (rpc_stopped.size - 1)], slow_add, (0.02, i))
+            for i in range(60)
+        ]
     rpc.shutdown()
     assert [fut.wait() for fut in futs] == [i + 1 for i in range(len(futs))]
 
@@ -328,8 +340,10 @@ def test_user_rrefs_stay_valid_until_every_worker_called_shutdown(rpc_stopped):
 
 def test_graceful_shutdown_waits_for_fire_and_forget_chains(rpc_stopped):
     rpc.init_rpc()
-    futs = [rpc.rpc_async(rpc_stopped.peer(), fire_and_forget, (rpc_stopped.peer(2), 0.2, i))
-            for i in range(5)]
+    futs = [
+        rpc.rpc_async(rpc_stopped.peer(), fire_and_forget, (rpc_stopped.peer(2), 0.2, i))
+        for i in range(5)
+    ]
     assert [fut.wait() for fut in futs] == list(range(5))
     rpc.shutdown()  # the nested calls are still running on peer(2)
 

@@ -27,8 +27,13 @@ def test_options_defaults():
 
 def test_options_keyword_arguments():
     sentinel = object()
-    options = MPIRpcBackendOptions(rpc_timeout=5, num_worker_threads=4, comm=sentinel,
-                                   device_maps={"worker1": {0: 1}}, init_method="env://")
+    options = MPIRpcBackendOptions(
+        rpc_timeout=5,
+        num_worker_threads=4,
+        comm=sentinel,
+        device_maps={"worker1": {0: 1}},
+        init_method="env://",
+    )
     assert options.rpc_timeout == 5.0 and isinstance(options.rpc_timeout, float)
     assert options.num_worker_threads == 4
     assert options.comm is sentinel
@@ -70,11 +75,15 @@ def test_unset_timeout_sentinel_matches_torch():
     assert rpc.UNSET_RPC_TIMEOUT == -1.0
 
 
-@pytest.mark.parametrize("bad", [-5, -0.001, -1, -1.0, float("nan"), float("inf"), "60", None,
-                                 True], ids=repr)
+@pytest.mark.parametrize(
+    "bad", [-5, -0.001, -1, -1.0, float("nan"), float("inf"), "60", None, True], ids=repr
+)
 def test_options_reject_bad_rpc_timeout(bad):
-    with pytest.raises(ValueError, match=r"^rpc_timeout must be a number of seconds >= 0 "
-                                         r"\(0: no timeout\); got ") as info:
+    with pytest.raises(
+        ValueError,
+        match=r"^rpc_timeout must be a number of seconds >= 0 "
+        r"\(0: no timeout\); got ",
+    ) as info:
         MPIRpcBackendOptions(rpc_timeout=bad)
     assert "UNSET_RPC_TIMEOUT" not in str(info.value)  # the default itself cannot be unset
 
@@ -91,8 +100,10 @@ def test_check_timeout_says_what_is_allowed():
     assert check_timeout(0) == 0.0 and check_timeout(3) == 3.0
     with pytest.raises(ValueError) as info:
         check_timeout(-5)
-    assert str(info.value) == ("timeout must be a number of seconds >= 0 (0: no timeout) or "
-                               "UNSET_RPC_TIMEOUT (-1) for the default; got -5")
+    assert str(info.value) == (
+        "timeout must be a number of seconds >= 0 (0: no timeout) or "
+        "UNSET_RPC_TIMEOUT (-1) for the default; got -5"
+    )
     with pytest.raises(ValueError, match=r"; got inf; use 0 for no timeout$"):
         check_timeout(float("inf"))
     with pytest.raises(ValueError, match=r"; got '1' \(str\)$"):
@@ -107,9 +118,11 @@ def test_timeout_error_keeps_torch_text_and_shows_sub_millisecond_timeouts():
     dst = WorkerInfo("worker1", 1)
     assert str(timeout_error(1e-6, dst)) == (
         "RPC ran for more than set timeout (0.001 ms) and will now be marked with an error "
-        "(call to worker1, rank 1)")
+        "(call to worker1, rank 1)"
+    )
     assert str(timeout_error(0.1, dst)).startswith("RPC ran for more than set timeout (100 ms) ")
     assert "(1.5 ms)" in str(timeout_error(0.0015, dst))
     assert "(60000 ms)" in str(timeout_error(60.0, dst))
     assert str(timeout_error(2.0)) == (
-        "RPC ran for more than set timeout (2000 ms) and will now be marked with an error")
+        "RPC ran for more than set timeout (2000 ms) and will now be marked with an error"
+    )

@@ -180,8 +180,9 @@ class Job:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 out, _ = self.proc.communicate()
-                pytest.fail(f"{self.argv} still running after {JOB_TIMEOUT_S} s (hung). "
-                            f"Output:\n{out}")
+                pytest.fail(
+                    f"{self.argv} still running after {JOB_TIMEOUT_S} s (hung). Output:\n{out}"
+                )
             self.result = (self.proc.returncode, out, time.monotonic() - self.start)
         return self.result
 
@@ -189,9 +190,12 @@ class Job:
 @pytest.fixture(scope="module")
 def jobs(request, tmp_path_factory):
     """Every job wanted by the selected tests of this module, started together."""
-    wanted = {m.args[0] for item in request.session.items
-              if item.module is request.module
-              for m in item.iter_markers("job")}
+    wanted = {
+        m.args[0]
+        for item in request.session.items
+        if item.module is request.module
+        for m in item.iter_markers("job")
+    }
     started: dict[str, Job] = {}
     for name in sorted(wanted):
         script_text, argv = JOBS[name]
@@ -201,9 +205,15 @@ def jobs(request, tmp_path_factory):
         script = folder / "job.py"
         script.write_text(textwrap.dedent(script_text))
         full = [*argv, str(script)]
-        proc = subprocess.Popen(full, cwd=folder, env=mpi_launch.job_env(),
-                                stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            full,
+            cwd=folder,
+            env=mpi_launch.job_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         started[name] = Job(name, full, proc)
     yield started
     for job in started.values():
@@ -217,10 +227,13 @@ def jobs(request, tmp_path_factory):
 
 
 @needs_mpiexec
-@pytest.mark.parametrize("name", [
-    pytest.param("raise-mpi4py", marks=pytest.mark.job("raise-mpi4py"), id="python -m mpi4py"),
-    pytest.param("raise-python", marks=pytest.mark.job("raise-python"), id="plain python"),
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("raise-mpi4py", marks=pytest.mark.job("raise-mpi4py"), id="python -m mpi4py"),
+        pytest.param("raise-python", marks=pytest.mark.job("raise-python"), id="plain python"),
+    ],
+)
 def test_rank_that_raises_after_init_rpc_ends_the_job(jobs, name):
     code, out, seconds = jobs[name].wait()
     assert code != 0, out

@@ -22,8 +22,13 @@ BODY = Frame(Kind.RREF_FORK, -1, None, (), ("body",))
 
 def make_transport(comm, on_frame=lambda source, frame, tensors: None) -> Transport:
     """A transport whose progress thread is not started (tests poll it by hand)."""
-    return Transport(comm, on_frame, lambda source, error: None,
-                     limits=FrameLimits(1 << 30, local_devices()), transfer_timeout=60.0)
+    return Transport(
+        comm,
+        on_frame,
+        lambda source, error: None,
+        limits=FrameLimits(1 << 30, local_devices()),
+        transfer_timeout=60.0,
+    )
 
 
 class _Message:
@@ -61,8 +66,9 @@ class _MatchBeforeProgressComm:
 
 def test_one_poll_after_a_nap_delivers_a_frame_that_the_first_probe_misses():
     delivered = []
-    transport = make_transport(MPI.COMM_SELF,
-                               lambda source, frame, tensors: delivered.append(frame))
+    transport = make_transport(
+        MPI.COMM_SELF, lambda source, frame, tensors: delivered.append(frame)
+    )
     receiver = transport._receiver
     own_ctrl = receiver.ctrl
     late = receiver.ctrl = _MatchBeforeProgressComm(BODY.dumps())
@@ -242,6 +248,7 @@ class _RecordingBell(LocalBell):
 
 def _poll_until(transport: Transport, done) -> bool:
     """Drive ``transport`` by hand (its progress thread is not started) until ``done()``."""
+
     def polled() -> bool:
         transport._poll_and_run()
         return done()
@@ -329,8 +336,9 @@ def test_work_handed_to_the_waiting_thread_runs_there_before_it_returns():
         ran_on.append(threading.current_thread().name)
         done.set()
 
-    waiter = threading.Thread(target=transport.drive_until, args=(done.is_set,),
-                              name="waiting-thread")
+    waiter = threading.Thread(
+        target=transport.drive_until, args=(done.is_set,), name="waiting-thread"
+    )
     try:
         waiter.start()
         assert wait_until(lambda: transport._waiter == waiter.ident)

@@ -26,12 +26,23 @@ pytestmark = pytest.mark.mpi(min_size=2)
 SMALL, BIG = 7, _wire.INLINE_LIMIT + 1
 
 DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.complex64, torch.complex128,
-    torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint8, torch.uint16, torch.uint32, torch.uint64,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
     torch.bool,
-    torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
 ]
 
 
@@ -49,8 +60,15 @@ def describe_tensors(obj):
 
     def walk(o):
         if isinstance(o, torch.Tensor):
-            out.append((type(o).__name__, o.dtype, tuple(o.shape), o.layout,
-                        o.requires_grad if isinstance(o, torch.nn.Parameter) else None))
+            out.append(
+                (
+                    type(o).__name__,
+                    o.dtype,
+                    tuple(o.shape),
+                    o.layout,
+                    o.requires_grad if isinstance(o, torch.nn.Parameter) else None,
+                )
+            )
         elif isinstance(o, dict):
             for v in o.values():
                 walk(v)
@@ -102,8 +120,9 @@ def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
 def sample(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
     """``n`` elements of ``dtype`` with varied bit patterns."""
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (n * torch.empty(0, dtype=dtype).element_size(),),
-                        dtype=torch.uint8, generator=g)
+    raw = torch.randint(
+        0, 256, (n * torch.empty(0, dtype=dtype).element_size(),), dtype=torch.uint8, generator=g
+    )
     if dtype == torch.bool:
         return raw.remainder(2).bool()
     return raw.view(dtype)
@@ -127,8 +146,13 @@ def test_a_result_that_is_one_tensor_round_trips_exactly(rpc_world):
     # anything else (a Parameter, a sparse tensor) still goes through pickle.
     base = torch.randn(300, 301)
     plain = [sample(dtype, SMALL, seed=i) for i, dtype in enumerate(DTYPES)] + [
-        torch.tensor(2.5), torch.empty(3, 0), base.t(), base[::2, 1::3],
-        torch.randn(4, dtype=torch.complex64).conj(), sample(torch.float32, BIG, seed=1)]
+        torch.tensor(2.5),
+        torch.empty(3, 0),
+        base.t(),
+        base[::2, 1::3],
+        torch.randn(4, dtype=torch.complex64).conj(),
+        sample(torch.float32, BIG, seed=1),
+    ]
     for t in plain:
         assert_same(t, rpc.rpc_sync(rpc_world.peer(), echo, (t,)))
         assert_same(t, rpc.rpc_async(rpc_world.peer(), echo, (t,)).wait())
@@ -140,9 +164,15 @@ def test_a_result_that_is_one_tensor_round_trips_exactly(rpc_world):
 
 
 def test_zero_dim_and_zero_size_tensors(rpc_world):
-    tensors = [torch.tensor(3.5), torch.tensor(7, dtype=torch.int64), torch.tensor(True),
-               torch.tensor(1 + 2j), torch.empty(0), torch.empty(3, 0, 2),
-               torch.empty(0, dtype=torch.bfloat16)]
+    tensors = [
+        torch.tensor(3.5),
+        torch.tensor(7, dtype=torch.int64),
+        torch.tensor(True),
+        torch.tensor(1 + 2j),
+        torch.empty(0),
+        torch.empty(3, 0, 2),
+        torch.empty(0, dtype=torch.bfloat16),
+    ]
     back = rpc.rpc_sync(rpc_world.peer(), echo, (tensors,))
     for a, b in zip(tensors, back, strict=True):
         assert_same(a, b)
@@ -220,8 +250,12 @@ def test_sparse_coo_tensors(rpc_world):
     values = torch.tensor([3.0, 4.0, 5.0, -1.0])
     sparse = torch.sparse_coo_tensor(indices, values, (5, 4), check_invariants=True)
     coalesced = sparse.coalesce()
-    big = torch.sparse_coo_tensor(torch.randint(0, 1000, (2, 20_000)), torch.randn(20_000),
-                                  (1000, 1000), check_invariants=True).coalesce()
+    big = torch.sparse_coo_tensor(
+        torch.randint(0, 1000, (2, 20_000)),
+        torch.randn(20_000),
+        (1000, 1000),
+        check_invariants=True,
+    ).coalesce()
     back = rpc.rpc_sync(rpc_world.peer(), echo, ([sparse, coalesced, big],))
     for a, b in zip([sparse, coalesced, big], back, strict=True):
         assert b.layout == torch.sparse_coo
@@ -255,17 +289,23 @@ def test_received_big_tensors_kept_alive_are_never_overwritten(rpc_world):
     kept = [rpc.rpc_sync(rpc_world.peer(), make_tensor, (n, float(i))) for i in range(3)]
     view = rpc.rpc_sync(rpc_world.peer(), make_tensor, (n, 7.0))[: n // 2]  # base dropped
     for _ in range(3):  # reuses freed buffers of the same size
-        assert torch.equal(rpc.rpc_sync(rpc_world.peer(), make_tensor, (n, -1.0)),
-                           make_tensor(n, -1.0))
+        assert torch.equal(
+            rpc.rpc_sync(rpc_world.peer(), make_tensor, (n, -1.0)), make_tensor(n, -1.0)
+        )
     for i, t in enumerate(kept):
         assert torch.equal(t, make_tensor(n, float(i)))
     assert torch.equal(view, make_tensor(n, 7.0)[: n // 2])
 
 
 def test_many_big_messages_in_flight_stay_matched(rpc_world):
-    futs = [rpc.rpc_async(rpc_world.names[i % rpc_world.size], echo,
-                          ([torch.full((40_000 + i,), float(i)), torch.full((i,), -float(i))],))
-            for i in range(64)]
+    futs = [
+        rpc.rpc_async(
+            rpc_world.names[i % rpc_world.size],
+            echo,
+            ([torch.full((40_000 + i,), float(i)), torch.full((i,), -float(i))],),
+        )
+        for i in range(64)
+    ]
     for i, fut in enumerate(futs):
         big, small = fut.wait()
         assert big.shape == (40_000 + i,) and bool((big == i).all())
@@ -283,10 +323,16 @@ def test_many_threads_issuing_rpc_async_lose_and_duplicate_nothing(rpc_world):
 
     def issue(k):
         try:
-            futs = [rpc.rpc_async(rpc_world.names[(rpc_world.rank + 1 + (k + i) %
-                                                    (rpc_world.size - 1)) % rpc_world.size],
-                                  tag_value, (k, i))
-                    for i in range(calls)]
+            futs = [
+                rpc.rpc_async(
+                    rpc_world.names[
+                        (rpc_world.rank + 1 + (k + i) % (rpc_world.size - 1)) % rpc_world.size
+                    ],
+                    tag_value,
+                    (k, i),
+                )
+                for i in range(calls)
+            ]
             results[k] = [f.wait() for f in futs]
         except BaseException as e:  # surfaced below
             errors.append(e)
@@ -373,8 +419,9 @@ def test_sender_holding_a_lock_that_a_completion_callback_needs_does_not_deadloc
         with lock:
             # Slow enough that the callback is registered before the response arrives
             # (a done future would run it here, on the lock's holder).
-            fut = _core.invoke(rpc_world.peer(), slow_tag_value, (0, 0), None, 0,
-                               user_visible=False)
+            fut = _core.invoke(
+                rpc_world.peer(), slow_tag_value, (0, 0), None, 0, user_visible=False
+            )
             fut.add_done_callback(callback)
             if callback_waiting.wait(30):  # the progress thread now waits for `lock`
                 results.append(rpc.rpc_async(rpc_world.peer(), tag_value, (0, 1)))
@@ -410,12 +457,14 @@ def notified_values():
     return [(v, t) for v, t in _notified]
 
 
-def test_served_one_way_messages_run_on_the_peer_and_errors_stay_there(rpc_world, caplog,
-                                                                       monkeypatch):
+def test_served_one_way_messages_run_on_the_peer_and_errors_stay_there(
+    rpc_world, caplog, monkeypatch
+):
     world = rpc_world
     _notified.clear()
-    monkeypatch.setitem(_one_way.HANDLERS, Kind.CONTEXT_RELEASE,
-                        _one_way.OneWay(Note, record_note, True, None))
+    monkeypatch.setitem(
+        _one_way.HANDLERS, Kind.CONTEXT_RELEASE, _one_way.OneWay(Note, record_note, True, None)
+    )
     world.barrier()
     agent = _core.require_agent()
     big = make_tensor(BIG, seed=world.rank)

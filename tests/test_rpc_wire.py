@@ -25,10 +25,15 @@ def _received(pool: ReceiveBufferPool, n: int) -> torch.Tensor:
 
 
 def test_inline_tensors_round_trip_through_pickle_as_writable_tensors():
-    for t in (torch.arange(5, dtype=torch.float64), torch.tensor(True), torch.zeros(0, 3),
-              torch.arange(6).view(2, 3).t(),  # non-contiguous
-              torch.ones(2, 2, dtype=torch.bfloat16), torch.ones(3, dtype=torch.complex64),
-              torch.arange(4, dtype=torch.int8).view(1, 2, 2)):
+    for t in (
+        torch.arange(5, dtype=torch.float64),
+        torch.tensor(True),
+        torch.zeros(0, 3),
+        torch.arange(6).view(2, 3).t(),  # non-contiguous
+        torch.ones(2, 2, dtype=torch.bfloat16),
+        torch.ones(3, dtype=torch.complex64),
+        torch.arange(4, dtype=torch.int8).view(1, 2, 2),
+    ):
         meta, buffer = prepare_tensor(t)
         assert buffer is None
         back = allocate_tensor(pickle.loads(pickle.dumps(meta, 5)))

@@ -237,8 +237,11 @@ def settle(world) -> None:
     gc.collect()
     world.barrier()
     for name in world.names:
-        wait_for(lambda n=name: rpc.rpc_sync(n, owner_rref_count) == 0,
-                 f"{name}'s RRef table to empty", lambda n=name: rpc.rpc_sync(n, owner_table))
+        wait_for(
+            lambda n=name: rpc.rpc_sync(n, owner_rref_count) == 0,
+            f"{name}'s RRef table to empty",
+            lambda n=name: rpc.rpc_sync(n, owner_table),
+        )
     world.barrier()
 
 
@@ -255,8 +258,9 @@ def test_local_rref_is_owner_and_returns_the_value_itself(rpc_world):
     assert rref.local_value() is value
     assert rref.to_here() is value
     assert rpc.RRef(35).local_value() == 35
-    assert re.fullmatch(r"OwnerRRef\(GloballyUniqueId\(created_on=\d+, local_id=\d+\)\)",
-                        repr(rref))
+    assert re.fullmatch(
+        r"OwnerRRef\(GloballyUniqueId\(created_on=\d+, local_id=\d+\)\)", repr(rref)
+    )
 
 
 def test_remote_returns_user_rref_to_value_on_owner(rpc_world):
@@ -273,14 +277,17 @@ def test_remote_returns_user_rref_to_value_on_owner(rpc_world):
     assert re.fullmatch(
         rf"UserRRef\(RRefId = GloballyUniqueId\(created_on={rpc_world.rank}, local_id=(\d+)\), "
         rf"ForkId = GloballyUniqueId\(created_on={rpc_world.rank}, local_id=(\d+)\)\)",
-        repr(rref))
+        repr(rref),
+    )
     rref_id, fork_id = map(int, re.search(r"local_id=(\d+).*local_id=(\d+)", repr(rref)).groups())
     assert fork_id == rref_id + 1
 
 
 def test_remote_python_function_and_multiple_remotes(rpc_world):
-    rrefs = [rpc.remote(rpc_world.names[i % rpc_world.size], make_tracked, ("multi", i))
-             for i in range(20)]
+    rrefs = [
+        rpc.remote(rpc_world.names[i % rpc_world.size], make_tracked, ("multi", i))
+        for i in range(20)
+    ]
     assert [r.to_here().value for r in rrefs] == list(range(20))
     assert [r.owner().id for r in rrefs] == [i % rpc_world.size for i in range(20)]
 
@@ -409,8 +416,11 @@ def test_third_worker_overtakes_the_creator_on_its_way_to_the_owner(rpc_world):
         other = rpc.rpc_sync(rpc_world.peer(), make_remote_on, (third, torch.ones(2)))
         assert torch.equal(other.to_here(timeout=10), torch.ones(2))
         del rref, other
-    wait_for(lambda: rpc.rpc_sync(owner, alive, (tag,)) == 0, "the owner to drop the values",
-             lambda: rpc.rpc_sync(owner, owner_table))
+    wait_for(
+        lambda: rpc.rpc_sync(owner, alive, (tag,)) == 0,
+        "the owner to drop the values",
+        lambda: rpc.rpc_sync(owner, owner_table),
+    )
     settle(rpc_world)
 
 
@@ -559,8 +569,9 @@ def test_ten_thousand_dropped_remote_rrefs_empty_the_owner_tables(rpc_world):
     del kept
     rpc_world.barrier()
     for name in others:
-        wait_for(lambda n=name: rpc.rpc_sync(n, owner_rref_count) == 0,
-                 f"{name}'s RRef table to empty")
+        wait_for(
+            lambda n=name: rpc.rpc_sync(n, owner_rref_count) == 0, f"{name}'s RRef table to empty"
+        )
     info = rpc._rref_context_get_debug_info()
     assert info["num_owner_rrefs"] == 0 and info["num_forks"] == 0
     assert info["num_pending_users"] == 0
@@ -582,6 +593,9 @@ def test_failed_pickling_leaves_no_fork_behind(rpc_world):
                 rpc.remote(to, hold, ("never", rref), {"lock": threading.Lock()})
     del local, user, rref
     assert alive(tag) == 0  # the local value: no fork was registered for it
-    wait_for(lambda: rpc.rpc_sync(rpc_world.peer(), alive, (tag,)) == 0,
-             "the owner to drop the value", lambda: rpc.rpc_sync(rpc_world.peer(), owner_table))
+    wait_for(
+        lambda: rpc.rpc_sync(rpc_world.peer(), alive, (tag,)) == 0,
+        "the owner to drop the value",
+        lambda: rpc.rpc_sync(rpc_world.peer(), owner_table),
+    )
     settle(rpc_world)

@@ -44,11 +44,14 @@ SRUN_MPI = {"Open MPI": "pmix", "Intel(R) MPI": "pmi2", "MPICH": "pmi2"}
 
 def _mpi_library() -> str:
     """The first line of the MPI library version mpi4py loads here (MPI not initialised)."""
-    code = ("import mpi4py; mpi4py.rc.initialize = False\n"
-            "from mpi4py import MPI\n"
-            "print(MPI.Get_library_version().splitlines()[0].rstrip(chr(0)))")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True, timeout=60).stdout.strip()
+    code = (
+        "import mpi4py; mpi4py.rc.initialize = False\n"
+        "from mpi4py import MPI\n"
+        "print(MPI.Get_library_version().splitlines()[0].rstrip(chr(0)))"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.strip()
 
 
 def _slurm_unavailable() -> str | None:

@@ -23,8 +23,13 @@ NODE_FACTS_TIMEOUT_S = 150
 SUITE_TIMEOUT_S = 240
 #: The MPI tests that run with their ranks split across the nodes: RPC, RRefs,
 #: distributed autograd, the distributed optimizer and Lightning's fit.
-SUITE = ("test_rpc_api.py", "test_rref.py", "test_dist_autograd_backward.py",
-         "test_dist_optim.py", "test_lightning_strategy.py")
+SUITE = (
+    "test_rpc_api.py",
+    "test_rref.py",
+    "test_dist_autograd_backward.py",
+    "test_dist_optim.py",
+    "test_lightning_strategy.py",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -36,15 +41,17 @@ def emulated_nodes() -> None:
         pytest.skip(reason)
 
 
-def run_on_two_nodes(tmp_path: Path, *command: str, timeout_s: float,
-                     per_rank_output: bool = False) -> JobResult:
+def run_on_two_nodes(
+    tmp_path: Path, *command: str, timeout_s: float, per_rank_output: bool = False
+) -> JobResult:
     """Run ``python command...`` on both nodes; with ``per_rank_output`` each rank's
     output goes to ``tmp_path/rank<r>.out`` instead of the job's output."""
     pattern = str(tmp_path / "rank%r.out") if per_rank_output else None
     # A temp folder per job: pytest sessions inside it must not race over a shared one.
     env = node_env({"TMPDIR": str(tmp_path), "MPIEXEC_TIMEOUT": str(int(timeout_s) - 5)})
-    argv = mpiexec_two_nodes(RANKS_PER_NODE, sys.executable, "-m", "mpi4py", *command,
-                             output_pattern=pattern)
+    argv = mpiexec_two_nodes(
+        RANKS_PER_NODE, sys.executable, "-m", "mpi4py", *command, output_pattern=pattern
+    )
     return run_job(argv, timeout_s=timeout_s, cwd=PACKAGE_ROOT, env=env)
 
 
@@ -71,8 +78,12 @@ def node_facts(outputs: list[str]) -> list[dict]:
 
 
 def test_node_local_mechanisms_work_per_node(tmp_path):
-    result = run_on_two_nodes(tmp_path, str(TESTS / "jobs" / "node_local.py"),
-                              timeout_s=NODE_FACTS_TIMEOUT_S, per_rank_output=True)
+    result = run_on_two_nodes(
+        tmp_path,
+        str(TESTS / "jobs" / "node_local.py"),
+        timeout_s=NODE_FACTS_TIMEOUT_S,
+        per_rank_output=True,
+    )
     outputs = rank_outputs(tmp_path)
     assert result.code == 0, describe(result, outputs)
     facts = node_facts(outputs)
@@ -90,12 +101,21 @@ def test_node_local_mechanisms_work_per_node(tmp_path):
         assert f["has_board"] and f["agent_has_board"], why
         assert f["rings_armed"] == len(others) and f["rings_disarmed"] == 0, why
         # Nap boards are unlinked once every agent of the node mapped them.
-        for key in ("boards_after_setup", "boards_after_close", "boards_with_rpc",
-                    "boards_after_rpc"):
+        for key in (
+            "boards_after_setup",
+            "boards_after_close",
+            "boards_with_rpc",
+            "boards_after_rpc",
+        ):
             assert f[key] == [], f"{key}: {why}"
         # The cluster environment's layout.
-        assert (f["local_rank"], f["node_rank"], f["world_size"], f["local_world_size"],
-                f["num_nodes"]) == (rank % RANKS_PER_NODE, node, WORLD, RANKS_PER_NODE, 2), why
+        assert (
+            f["local_rank"],
+            f["node_rank"],
+            f["world_size"],
+            f["local_world_size"],
+            f["num_nodes"],
+        ) == (rank % RANKS_PER_NODE, node, WORLD, RANKS_PER_NODE, 2), why
         assert f["main_address"] == NODE_NAMES[0], why
         # Local rank -> GPU: trainers of a node count from cuda:0; a serving rank gets none.
         assert f["gpu"] == f"cuda:{rank % RANKS_PER_NODE}", why
@@ -110,9 +130,19 @@ def test_node_local_mechanisms_work_per_node(tmp_path):
 def test_rpc_autograd_optimizer_and_fit_tests_pass_across_nodes(tmp_path):
     files = [str(Path("tests") / name) for name in SUITE]
     result = run_on_two_nodes(
-        tmp_path, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
-        "-o", "faulthandler_timeout=120", *files, timeout_s=SUITE_TIMEOUT_S,
-        per_rank_output=True)
+        tmp_path,
+        "-m",
+        "pytest",
+        "--with-mpi",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "faulthandler_timeout=120",
+        *files,
+        timeout_s=SUITE_TIMEOUT_S,
+        per_rank_output=True,
+    )
     texts = rank_outputs(tmp_path)
     report = describe(result, texts)
     assert result.code == 0, report
@@ -120,7 +150,8 @@ def test_rpc_autograd_optimizer_and_fit_tests_pass_across_nodes(tmp_path):
     for rank, text in enumerate(texts):
         counts = summary_counts(text)
         assert counts.get("passed", 0) > 0 and not counts.keys() & {"failed", "error", "errors"}, (
-            f"rank {rank}: {counts}\n{report}")
+            f"rank {rank}: {counts}\n{report}"
+        )
         passed.append(counts["passed"])
     assert len(set(passed)) == 1, f"ranks passed different numbers of tests: {passed}\n{report}"
 

@@ -76,8 +76,13 @@ class context:
         _release_context(self.autograd_context._context_id())
 
 
-def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False, *,
-             strict: bool | None = None) -> None:
+def backward(
+    context_id: int,
+    roots: list[torch.Tensor],
+    retain_graph: bool = False,
+    *,
+    strict: bool | None = None,
+) -> None:
     r"""Run the distributed backward pass from ``roots`` in context ``context_id``.
 
     Computes the gradients of the roots with respect to every tensor that
@@ -162,7 +167,8 @@ def _current_context() -> DistAutogradContext:
         raise RuntimeError(
             "Current thread doesn't have a valid autograd context. Please wrap your code "
             "using: `with lightning_distgrad.autograd.context() as context_id` to generate "
-            "a valid context")
+            "a valid context"
+        )
     return cont.retrieve(context_id)
 
 
@@ -175,8 +181,10 @@ def _get_max_id() -> int:
 
 
 def _get_debug_info() -> dict[str, int]:
-    return {"num_current_backward_passes": _engine.num_backward_passes(),
-            "num_autograd_contexts": len(container())}
+    return {
+        "num_current_backward_passes": _engine.num_backward_passes(),
+        "num_autograd_contexts": len(container()),
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -187,8 +195,9 @@ class _AutogradHooks(_hooks.AutogradHooks):
     def on_init(self, worker_id: int) -> None:
         _engine.init_container(worker_id)
 
-    def outgoing(self, dst_id: int, tensors: list[torch.Tensor], force: bool,
-                 ctx_id: int | None = None) -> Any:
+    def outgoing(
+        self, dst_id: int, tensors: list[torch.Tensor], force: bool, ctx_id: int | None = None
+    ) -> Any:
         cont = _engine._container
         if cont is None:
             return None
@@ -276,12 +285,16 @@ class _AutogradHooks(_hooks.AutogradHooks):
 
 def _on_context_release(source: int, body: ContextRelease, tensors: list) -> None:
     """Release the context here and on the workers it reached from here (transitively)."""
-    _release_on_known_workers(container().release(body.context_id, must_exist=False),
-                              done=source)
+    _release_on_known_workers(container().release(body.context_id, must_exist=False), done=source)
 
 
 _hooks.install(_AutogradHooks())
 register_one_way(Kind.CONTEXT_RELEASE, ContextRelease, _on_context_release)
 register_one_way(Kind.CREDIT, _messages.CreditReturn, _engine.on_credit)
-register_one_way(Kind.GRADIENTS, _messages.Gradients, _engine.on_gradients, serve=True,
-                 waiter_key=lambda body: body.pass_id)
+register_one_way(
+    Kind.GRADIENTS,
+    _messages.Gradients,
+    _engine.on_gradients,
+    serve=True,
+    waiter_key=lambda body: body.pass_id,
+)

@@ -30,8 +30,10 @@ def sum_grads(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
 def check_context_id(context_id: Any) -> None:
     """Context ids are ints (torch's bindings reject anything else with a TypeError)."""
     if not isinstance(context_id, int) or isinstance(context_id, bool):
-        raise TypeError(f"incompatible function arguments: context_id must be an int, got "
-                        f"{type(context_id).__name__}")
+        raise TypeError(
+            f"incompatible function arguments: context_id must be an int, got "
+            f"{type(context_id).__name__}"
+        )
 
 
 class DistAutogradContext:
@@ -120,8 +122,9 @@ class ContextContainer:
             raise RuntimeError("Already have an autograd context id for this thread.")
         context_id = next(self._context_ids)
         if context_id > self.max_id:
-            raise RuntimeError(f"distributed autograd context ids exhausted on worker "
-                               f"{self.worker_id}")
+            raise RuntimeError(
+                f"distributed autograd context ids exhausted on worker {self.worker_id}"
+            )
         ctx = DistAutogradContext(context_id)
         with self._lock:
             self._contexts[context_id] = ctx

@@ -69,8 +69,8 @@ _pass_creation_lock = threading.Lock()
 def container() -> ContextContainer:
     if _container is None:
         raise RuntimeError(
-            "Need to initialize distributed autograd using "
-            "lightning_distgrad.rpc.init_rpc() first.")
+            "Need to initialize distributed autograd using lightning_distgrad.rpc.init_rpc() first."
+        )
     return _container
 
 
@@ -107,16 +107,19 @@ def _wrap_error(worker_id: int, e: BaseException) -> RuntimeError:
     return RuntimeError(f"Error on Node {worker_id}: {text}")
 
 
-def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False,
-             strict: bool | None = None) -> None:
+def backward(
+    context_id: int,
+    roots: list[torch.Tensor],
+    retain_graph: bool = False,
+    strict: bool | None = None,
+) -> None:
     """Run the distributed backward pass from ``roots`` (on the worker that calls it).
 
     ``strict=None`` takes the context's setting (see ``context(strict=...)``).
     """
     check_context_id(context_id)
     if not isinstance(roots, (list, tuple)):
-        raise TypeError(f"backward(): roots must be a list of tensors, got "
-                        f"{type(roots).__name__}")
+        raise TypeError(f"backward(): roots must be a list of tensors, got {type(roots).__name__}")
     cont = container()
     ctx = cont.retrieve(context_id)
     if strict is None:
@@ -143,15 +146,25 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
             latest = _latest_reports(p.reports + [p.report(cont.worker_id)])
             if p.error is None and not strict and any(latest.values()):
                 from ._smart import settle_waiting_sends
+
                 latest = settle_waiting_sends(p, latest, involved)
             # Workers whose sends still wait for gradients (unused RPC results in a
             # strict pass, or an error cut the pass short) or that a settling round
             # asked hold state for the pass: end it there.
             stuck = {w for w, pending in latest.items() if pending} | involved
             stuck.discard(cont.worker_id)
-            for fut in [_core.invoke(w, _end_pass_here, (context_id, p.pass_id), None,
-                                     _core.UNSET_RPC_TIMEOUT, user_visible=False,
-                                     force_autograd=False) for w in sorted(stuck)]:
+            for fut in [
+                _core.invoke(
+                    w,
+                    _end_pass_here,
+                    (context_id, p.pass_id),
+                    None,
+                    _core.UNSET_RPC_TIMEOUT,
+                    user_visible=False,
+                    force_autograd=False,
+                )
+                for w in sorted(stuck)
+            ]:
                 try:
                     _core.wait(fut)
                 except Exception:  # that worker's part ends with its context anyway
@@ -172,8 +185,12 @@ def _wait_for_credit(p: Pass) -> None:
         p.expire(agent.timeout)
 
 
-def _local_backward(ctx: DistAutogradContext, roots: list[torch.Tensor],
-                    edges: list[GradientEdge], retain_graph: bool) -> bool:
+def _local_backward(
+    ctx: DistAutogradContext,
+    roots: list[torch.Tensor],
+    edges: list[GradientEdge],
+    retain_graph: bool,
+) -> bool:
     """A context that exchanged no gradients: one native pass to its leaves.
 
     The general engine would do the same with more bookkeeping (graph copy,
@@ -185,12 +202,15 @@ def _local_backward(ctx: DistAutogradContext, roots: list[torch.Tensor],
     if not leaves:
         return False
     try:
-        grads = native_grad(roots, [GradientEdge(n, 0) for n in leaves],
-                             [torch.ones_like(r) for r in roots], retain_graph)
+        grads = native_grad(
+            roots,
+            [GradientEdge(n, 0) for n in leaves],
+            [torch.ones_like(r) for r in roots],
+            retain_graph,
+        )
     except Exception as e:
         raise _wrap_error(container().worker_id, e) from None
-    ctx.accumulate([(n.variable, g) for n, g in zip(leaves, grads, strict=True)
-                    if g is not None])
+    ctx.accumulate([(n.variable, g) for n, g in zip(leaves, grads, strict=True) if g is not None])
     return True
 
 
@@ -238,15 +258,17 @@ def _latest_reports(reports: list[tuple]) -> dict[int, list]:
 def _check_all_sends_used(context_id: int, latest: dict[int, list]) -> None:
     unused = [item for pending in latest.values() for item in pending]
     if unused:
-        described = "; ".join(f"autograd message {mid} (worker {src} -> worker {dst})"
-                              for mid, src, dst in unused)
+        described = "; ".join(
+            f"autograd message {mid} (worker {src} -> worker {dst})" for mid, src, dst in unused
+        )
         raise RuntimeError(
             f"Distributed backward in context {context_id} finished, but {len(unused)} RPC(s) "
             f"carrying tensors that require grad got no gradient: {described}. Their results "
             "were not used to compute the roots (a strict pass expects every RPC of the "
             "context to take part). Use the results in the loss, send detached tensors / run "
             "such RPCs under torch.no_grad() or outside the context, or run the pass "
-            "without strict=True.")
+            "without strict=True."
+        )
 
 
 def encode_gradients(items: list[tuple[int, list | None]]) -> tuple[list, list]:
@@ -265,8 +287,9 @@ def encode_gradients(items: list[tuple[int, list | None]]) -> tuple[list, list]:
         if len(present) == len(grads):
             layout.append((msg_id, len(grads)))
         else:
-            layout.append((msg_id, len(grads),
-                           tuple(i for i, g in enumerate(grads) if g is not None)))
+            layout.append(
+                (msg_id, len(grads), tuple(i for i, g in enumerate(grads) if g is not None))
+            )
         tensors.extend(present)
     return layout, tensors
 
@@ -278,7 +301,7 @@ def decode_gradients(layout: list, tensors: list) -> list[tuple[int, list | None
     for entry in layout:
         msg_id, count = entry[0], entry[1]
         if len(entry) == 2:
-            items.append((msg_id, tensors[start:start + count]))
+            items.append((msg_id, tensors[start : start + count]))
             start += count
         elif entry[2] is None:
             items.append((msg_id, None))
@@ -312,9 +335,11 @@ def _ship(p: Pass, messages: list[tuple[int, list]], credit: Credit) -> None:
         layout, tensors = encode_gradients(items)
         try:
             agent.send_one_way(
-                peer, Kind.GRADIENTS,
+                peer,
+                Kind.GRADIENTS,
                 Gradients(context_id, layout, p.retain_graph, p.pass_id, share, carried),
-                tensors)
+                tensors,
+            )
         except Exception as e:  # never sent: its credit and report come back here
             kept = add_credit(kept, share)
             error = error or _wrap_error(me, e).with_traceback(e.__traceback__)
@@ -323,15 +348,21 @@ def _ship(p: Pass, messages: list[tuple[int, list]], credit: Credit) -> None:
         _return_credit(context_id, p.pass_id, kept, None if to_root else report, error)
 
 
-def _return_credit(context_id: int, pass_id: tuple, credit: Credit, report: tuple | None,
-                   error: BaseException | None) -> None:
+def _return_credit(
+    context_id: int,
+    pass_id: tuple,
+    credit: Credit,
+    report: tuple | None,
+    error: BaseException | None,
+) -> None:
     root = pass_id[0]
     if root == container().worker_id:
         apply_credit(context_id, pass_id, credit, report, error)
     else:
         text = None if error is None else _error_text(error)
         _core.require_agent().send_one_way(
-            root, Kind.CREDIT, CreditReturn(context_id, pass_id, credit, report, text))
+            root, Kind.CREDIT, CreditReturn(context_id, pass_id, credit, report, text)
+        )
 
 
 def _error_text(error: BaseException) -> str:
@@ -345,15 +376,19 @@ def on_credit(source: int, body: CreditReturn, tensors: list) -> None:
     apply_credit(*body)
 
 
-def apply_credit(context_id: int, pass_id: tuple, credit: Credit,
-                 report: tuple | None, error: BaseException | str | None) -> None:
+def apply_credit(
+    context_id: int,
+    pass_id: tuple,
+    credit: Credit,
+    report: tuple | None,
+    error: BaseException | str | None,
+) -> None:
     """Credit back to the root."""
     cont = _container
     ctx = cont.find(context_id) if cont is not None else None
     p = ctx.backward_pass if ctx is not None else None
     if p is not None and p.pass_id == pass_id:  # else the pass timed out: drop it
-        p.return_credit(credit, report,
-                        RuntimeError(error) if isinstance(error, str) else error)
+        p.return_credit(credit, report, RuntimeError(error) if isinstance(error, str) else error)
 
 
 def _worker_pass(ctx: DistAutogradContext, pass_id: tuple, retain_graph: bool) -> Pass:
@@ -387,7 +422,8 @@ def on_gradients(source: int, body: Gradients, tensors: list[torch.Tensor]) -> N
         for msg_id, _ in items:
             if msg_id not in ctx.sends:
                 raise RuntimeError(
-                    f"Could not find send function for autograd message id: {msg_id}")
+                    f"Could not find send function for autograd message id: {msg_id}"
+                )
         messages = p.deliver_sends(items)
     except Exception as e:
         if p is not None and not is_root:

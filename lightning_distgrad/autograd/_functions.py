@@ -19,11 +19,15 @@ from ..rpc._hooks import with_grad
 
 _ErrorNode = torch._C._functions.DelayedError
 
-_SEND_MESSAGE = ("The send function of an RPC ran in a local backward pass; run the backward "
-                 "pass with lightning_distgrad.autograd.backward(context_id, [loss]).")
-_RECV_MESSAGE = ("This graph contains tensors received over RPC; run its backward pass with "
-                 "lightning_distgrad.autograd.backward(context_id, [loss]) inside the "
-                 "distributed autograd context, not with loss.backward().")
+_SEND_MESSAGE = (
+    "The send function of an RPC ran in a local backward pass; run the backward "
+    "pass with lightning_distgrad.autograd.backward(context_id, [loss])."
+)
+_RECV_MESSAGE = (
+    "This graph contains tensors received over RPC; run its backward pass with "
+    "lightning_distgrad.autograd.backward(context_id, [loss]) inside the "
+    "distributed autograd context, not with loss.backward()."
+)
 
 # Gives recv outputs an autograd history; never receives a gradient. It goes last,
 # so the node's gradient slot i is received tensor i's.

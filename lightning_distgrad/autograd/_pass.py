@@ -36,16 +36,18 @@ def is_leaf_node(node: Any) -> bool:
     return hasattr(node, "variable")
 
 
-def native_grad(outputs: list, inputs: list, grad_outputs: list,
-                retain_graph: bool) -> tuple[torch.Tensor | None, ...]:
+def native_grad(
+    outputs: list, inputs: list, grad_outputs: list, retain_graph: bool
+) -> tuple[torch.Tensor | None, ...]:
     """``torch.autograd.grad(..., allow_unused=True)`` without its Python-side checks.
 
     Those checks (``_make_grads``, argument normalisation) add nothing for
     gradients built by this engine; the native engine still validates every
     gradient's shape against the node it enters.
     """
-    return _engine_run_backward(tuple(outputs), tuple(grad_outputs), retain_graph, False,
-                                tuple(inputs), True, False)
+    return _engine_run_backward(
+        tuple(outputs), tuple(grad_outputs), retain_graph, False, tuple(inputs), True, False
+    )
 
 
 class _Graph:
@@ -98,8 +100,13 @@ class _Graph:
 class Pass:
     """One backward pass of one context on this worker."""
 
-    def __init__(self, ctx: DistAutogradContext, pass_id: tuple, retain_graph: bool,
-                 root_edges: list[GradientEdge]):
+    def __init__(
+        self,
+        ctx: DistAutogradContext,
+        pass_id: tuple,
+        retain_graph: bool,
+        root_edges: list[GradientEdge],
+    ):
         self.ctx = ctx
         self.pass_id = pass_id
         self.retain_graph = retain_graph
@@ -107,13 +114,11 @@ class Pass:
         with ctx.lock:
             # Sends whose graph an earlier pass freed (no retain_graph) take no
             # part: a second forward in the same context starts afresh.
-            sends = {mid: node for mid, node in ctx.sends.items()
-                     if mid not in ctx.consumed_sends}
+            sends = {mid: node for mid, node in ctx.sends.items() if mid not in ctx.consumed_sends}
             self.recv_ids = {node: mid for mid, node in ctx.recvs.items()}
         self.send_nodes = sends
         self.pending_sends = set(sends)
-        self.graph = _Graph([e.node for e in root_edges] + list(sends.values()),
-                            set(self.recv_ids))
+        self.graph = _Graph([e.node for e in root_edges] + list(sends.values()), set(self.recv_ids))
         for edge in root_edges:
             self.graph.remaining[edge.node] += 1
         for node in sends.values():
@@ -149,8 +154,9 @@ class Pass:
         if left == 0 and node not in self.buffers and node not in self.graph.boundary:
             self.empty.append(node)
 
-    def deliver_roots(self, root_edges: list[GradientEdge],
-                      grads: list[torch.Tensor]) -> list[tuple[int, list]]:
+    def deliver_roots(
+        self, root_edges: list[GradientEdge], grads: list[torch.Tensor]
+    ) -> list[tuple[int, list]]:
         """Gradients for the roots; returns the gradient messages to ship."""
         with self.lock:
             for edge, grad in zip(root_edges, grads, strict=False):
@@ -177,9 +183,12 @@ class Pass:
                     f"function of autograd message {msg_id} already ran in a pass "
                     "without retain_graph, which freed its graph. Specify "
                     "retain_graph=True if you need to backward through the graph a "
-                    "second time.")
-            raise RuntimeError(f"Send function for autograd message id {msg_id} got its "
-                               "gradients twice in one backward pass")
+                    "second time."
+                )
+            raise RuntimeError(
+                f"Send function for autograd message id {msg_id} got its "
+                "gradients twice in one backward pass"
+            )
         node = self.send_nodes[msg_id]
         self.pending_sends.discard(msg_id)
         if grads is None:
@@ -192,8 +201,9 @@ class Pass:
         self.graph.remaining[node] -= 1
         # The send node is an identity: its gradients go straight to the nodes
         # of the tensors it sent (a native run of it would only copy them).
-        for nr, ((child, child_nr), grad) in enumerate(zip(node.next_functions, grads,
-                                                           strict=True)):
+        for nr, ((child, child_nr), grad) in enumerate(
+            zip(node.next_functions, grads, strict=True)
+        ):
             if child is None:
                 continue
             if grad is not None:
@@ -275,11 +285,14 @@ class Pass:
                 outputs.append(GradientEdge(node, nr))
                 grad_outputs.append(grad)
         run_set = set(run)
-        rem = {c: remaining[c] - sum(1 for p in graph.parents[c] if p in run_set)
-               for c in captured_nodes}
+        rem = {
+            c: remaining[c] - sum(1 for p in graph.parents[c] if p in run_set)
+            for c in captured_nodes
+        }
         self._hold_hooks_of_partial_leaves(captured_nodes, rem)
-        grads = native_grad(outputs, [GradientEdge(c, nr) for c, nr in capture],
-                            grad_outputs, self.retain_graph)
+        grads = native_grad(
+            outputs, [GradientEdge(c, nr) for c, nr in capture], grad_outputs, self.retain_graph
+        )
         for (child, nr), grad in zip(capture, grads, strict=False):
             self._add(child, nr, grad)
         for node in run:
@@ -301,8 +314,10 @@ class Pass:
         graph = self.graph
         while run:
             run_set = set(run)
-            capture = sorted({(c, nr) for n in run for c, nr in graph.children[n]
-                              if c not in run_set}, key=lambda e: (id(e[0]), e[1]))
+            capture = sorted(
+                {(c, nr) for n in run for c, nr in graph.children[n] if c not in run_set},
+                key=lambda e: (id(e[0]), e[1]),
+            )
             captured = {c for c, _ in capture}
             interior = [c for c in captured if c not in graph.boundary]
             bad = captured & graph.descendants(interior)
@@ -327,7 +342,8 @@ class Pass:
                 f"lightning_distgrad cannot run {type(node).__name__} here: it feeds both a "
                 "tensor that still waits for gradients from another worker and nodes below "
                 "that tensor, and custom autograd.Function nodes cannot run outside the "
-                "native engine.")
+                "native engine."
+            )
         slots = self.buffers.pop(node)
         grads = node(*[slots.get(i) for i in range(len(node._input_metadata))])
         if isinstance(grads, torch.Tensor):
@@ -410,15 +426,19 @@ class Pass:
         """(worker, sequence, sends still waiting) for the root's final check."""
         with self.lock:
             self.seq += 1
-            pending = [(mid, worker_id, self.ctx.send_peers.get(mid)) for mid in
-                       sorted(self.pending_sends)]
+            pending = [
+                (mid, worker_id, self.ctx.send_peers.get(mid)) for mid in sorted(self.pending_sends)
+            ]
             return (worker_id, self.seq, pending)
 
     def waiting_recvs(self) -> list[int]:
         """Message ids of the recv functions in this pass's graph not finished yet."""
         with self.lock:
-            return [mid for node, mid in self.recv_ids.items()
-                    if node in self.graph.children and node not in self.finalized]
+            return [
+                mid
+                for node, mid in self.recv_ids.items()
+                if node in self.graph.children and node not in self.finalized
+            ]
 
     def close(self) -> None:
         for node, hooks in self.held_hooks.items():
@@ -427,8 +447,9 @@ class Pass:
 
     # -- credit (root only) -----------------------------------------------------------
 
-    def return_credit(self, credit: Credit, report: tuple | None,
-                      error: BaseException | None) -> None:
+    def return_credit(
+        self, credit: Credit, report: tuple | None, error: BaseException | None
+    ) -> None:
         """Credit back from a worker (with its report or error); all back: the round is over."""
         with self.credit_lock:
             if self.finished.done():

@@ -50,7 +50,8 @@ def settle_waiting_sends(p: Pass, latest: dict[int, list], involved: set[int]) -
             raise RuntimeError(
                 f"Error on Node {me}: distributed backward in context "
                 f"{p.ctx._context_id()} cannot settle its waiting sends "
-                f"{sorted(m for m, _, _ in waiting)}: each waits on another.")
+                f"{sorted(m for m, _, _ in waiting)}: each waits on another."
+            )
         p.new_round()
         _resolve(p, dead, me)
         _engine._wait_for_credit(p)
@@ -59,8 +60,9 @@ def settle_waiting_sends(p: Pass, latest: dict[int, list], involved: set[int]) -
         latest = _engine._latest_reports(p.reports + [p.report(me)])
 
 
-def _probe(p: Pass, latest: dict[int, list], involved: set[int],
-           me: int) -> dict[int, tuple[list, set]]:
+def _probe(
+    p: Pass, latest: dict[int, list], involved: set[int], me: int
+) -> dict[int, tuple[list, set]]:
     """Every involved worker's (waiting sends, unfinished recv message ids)."""
     context_id = p.ctx._context_id()
     states: dict[int, tuple[list, set]] = {}
@@ -74,13 +76,23 @@ def _probe(p: Pass, latest: dict[int, list], involved: set[int],
             else:
                 involved.add(worker)
                 futures[worker] = _core.invoke(
-                    worker, probe_here, (context_id, p.pass_id, p.retain_graph), None,
-                    _core.UNSET_RPC_TIMEOUT, user_visible=False, force_autograd=False)
+                    worker,
+                    probe_here,
+                    (context_id, p.pass_id, p.retain_graph),
+                    None,
+                    _core.UNSET_RPC_TIMEOUT,
+                    user_visible=False,
+                    force_autograd=False,
+                )
         for worker, fut in futures.items():
             pending, recvs = _core.wait(fut)
             states[worker] = (pending, set(recvs))
-        ask = {peer for pending, _ in states.values() for _, _, peer in pending
-               if peer is not None and peer not in states}
+        ask = {
+            peer
+            for pending, _ in states.values()
+            for _, _, peer in pending
+            if peer is not None and peer not in states
+        }
     return states
 
 
@@ -118,7 +130,10 @@ def _resolve(p: Pass, dead: dict[int, list[int]], me: int) -> None:
         layout, tensors = _engine.encode_gradients(items)
         try:
             agent.send_one_way(
-                worker, Kind.GRADIENTS,
-                Gradients(context_id, layout, p.retain_graph, p.pass_id, share, None), tensors)
+                worker,
+                Kind.GRADIENTS,
+                Gradients(context_id, layout, p.retain_graph, p.pass_id, share, None),
+                tensors,
+            )
         except Exception as e:  # never sent: its credit comes back here
             p.return_credit(share, None, _engine._wrap_error(me, e))

@@ -46,13 +46,19 @@ def reduce_op_name(reduce_op: Any) -> str:
     else:
         from torch.distributed import ReduceOp
 
-        for name, attr in (("sum", "SUM"), ("mean", "AVG"), ("max", "MAX"), ("min", "MIN"),
-                           ("product", "PRODUCT")):
+        for name, attr in (
+            ("sum", "SUM"),
+            ("mean", "AVG"),
+            ("max", "MAX"),
+            ("min", "MIN"),
+            ("product", "PRODUCT"),
+        ):
             if reduce_op == getattr(ReduceOp, attr):
                 return name
     raise ValueError(
         f"Unsupported reduce_op={reduce_op!r}. HINT: use 'sum', 'mean', 'max', 'min' or"
-        " 'product' (or the matching torch.distributed.ReduceOp).")
+        " 'product' (or the matching torch.distributed.ReduceOp)."
+    )
 
 
 class TrainerCollectives:
@@ -75,8 +81,11 @@ class TrainerCollectives:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == src else b""
         length = np.array([len(data)], dtype=np.int64)
         wait(self.comm.Ibcast(length, root=src))
-        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == src else (
-            np.empty(int(length[0]), dtype=np.uint8))
+        buf = (
+            np.frombuffer(data, dtype=np.uint8).copy()
+            if self.rank == src
+            else (np.empty(int(length[0]), dtype=np.uint8))
+        )
         wait(self.comm.Ibcast(buf, root=src))
         return obj if self.rank == src else pickle.loads(buf.tobytes())
 
@@ -107,8 +116,10 @@ class TrainerCollectives:
             wait(self.comm.Igatherv(data, recv, root=root))
         if not receiving:
             return None
-        return [pickle.loads(out[d:d + n].tobytes())
-                for d, n in zip(displs.tolist(), lengths.tolist(), strict=True)]
+        return [
+            pickle.loads(out[d : d + n].tobytes())
+            for d, n in zip(displs.tolist(), lengths.tolist(), strict=True)
+        ]
 
     # --- tensors --------------------------------------------------------------------------------
 

@@ -15,8 +15,14 @@ from . import _remote
 from ._collectives import TrainerCollectives
 from ._roles import Roles
 
-__all__ = ["take_remote_modules", "check_remote_modules", "install_forward", "hyperparameters",
-           "same_hyperparameters", "warn_backward_override"]
+__all__ = [
+    "take_remote_modules",
+    "check_remote_modules",
+    "install_forward",
+    "hyperparameters",
+    "same_hyperparameters",
+    "warn_backward_override",
+]
 
 
 def take_remote_modules(root: nn.Module) -> list[tuple[str, RemoteModule]]:
@@ -36,7 +42,8 @@ def take_remote_modules(root: nn.Module) -> list[tuple[str, RemoteModule]]:
                         f"A RemoteModule sits inside the container '{prefix}' ({kind}); the"
                         " strategy cannot take it out of the module tree there."
                         " HINT: keep RemoteModules as plain attributes of a module (self.emb ="
-                        " ...) and call them from forward.")
+                        " ...) and call them from forward."
+                    )
                 del module._modules[name]
                 object.__setattr__(module, name, child)
         for name, value in vars(module).items():
@@ -45,8 +52,9 @@ def take_remote_modules(root: nn.Module) -> list[tuple[str, RemoteModule]]:
     return found
 
 
-def check_remote_modules(modules: list[tuple[str, RemoteModule]], roles: Roles,
-                         collectives: TrainerCollectives | None) -> None:
+def check_remote_modules(
+    modules: list[tuple[str, RemoteModule]], roles: Roles, collectives: TrainerCollectives | None
+) -> None:
     """Raise (on every trainer) unless each RemoteModule lives on a serving rank and, with
     several trainers, all trainers hold the same remote modules (a collective then)."""
     servers = set(roles.servers)
@@ -54,15 +62,19 @@ def check_remote_modules(modules: list[tuple[str, RemoteModule]], roles: Roles,
         owner = module.module_rref.owner()
         if owner.id not in servers:
             where = "a trainer" if owner.id in roles.trainers else "not a serving rank"
-            hint = (f"place it on a serving rank (e.g. `strategy.server_device(0)`, which is"
-                    f" 'worker{roles.servers[0]}/cpu')" if servers else
-                    "give the strategy serving ranks (`num_servers=1` or `server_ranks=[...]`)"
-                    " and place it there")
+            hint = (
+                f"place it on a serving rank (e.g. `strategy.server_device(0)`, which is"
+                f" 'worker{roles.servers[0]}/cpu')"
+                if servers
+                else "give the strategy serving ranks (`num_servers=1` or `server_ranks=[...]`)"
+                " and place it there"
+            )
             raise ValueError(
                 f"RemoteModule '{name}' lives on {owner.name} (rank {owner.id}), which is"
                 f" {where}; RemoteModules must live on serving ranks (here:"
                 f" {sorted(servers) or 'none'}). HINT: {hint}, or make rank {owner.id} a"
-                " server with `server_ranks=[...]`.")
+                " server with `server_ranks=[...]`."
+            )
     if len(roles.trainers) == 1 or collectives is None:
         return
     mine = [(name, m.module_rref.owner().id, m.module_rref._rref_id()) for name, m in modules]
@@ -75,7 +87,8 @@ def check_remote_modules(modules: list[tuple[str, RemoteModule]], roles: Roles,
                 " module created by each trainer is a separate copy on the server). All"
                 " trainers must share each RemoteModule. HINT: create RemoteModules with"
                 " `self.trainer.strategy.remote_module(...)` in configure_model, which creates"
-                " one module and hands it to every trainer.")
+                " one module and hands it to every trainer."
+            )
 
 
 def install_forward(module: RemoteModule, autocast_dtype: torch.dtype | None) -> None:
@@ -87,9 +100,12 @@ def install_forward(module: RemoteModule, autocast_dtype: torch.dtype | None) ->
         return
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return rpc.rpc_sync(module.module_rref.owner(), _remote.autocast_forward,
-                            (module.module_rref, module.device, module.is_device_map_set,
-                             autocast_dtype, *args), kwargs)
+        return rpc.rpc_sync(
+            module.module_rref.owner(),
+            _remote.autocast_forward,
+            (module.module_rref, module.device, module.is_device_map_set, autocast_dtype, *args),
+            kwargs,
+        )
 
     module.forward = forward
 
@@ -106,8 +122,11 @@ def same_hyperparameters(a: dict[str, Any], b: dict[str, Any]) -> bool:
     for key, value in a.items():
         other = b[key]
         if isinstance(value, Tensor) or isinstance(other, Tensor):
-            if not (isinstance(value, Tensor) and isinstance(other, Tensor)
-                    and torch.equal(value, other)):
+            if not (
+                isinstance(value, Tensor)
+                and isinstance(other, Tensor)
+                and torch.equal(value, other)
+            ):
                 return False
         elif value != other:
             return False
@@ -116,5 +135,7 @@ def same_hyperparameters(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def warn_backward_override(module: Any) -> None:
     if is_overridden("backward", module):
-        rank_zero_warn("DistAutogradStrategy runs the distributed backward pass itself; the"
-                       " LightningModule.backward override is not called.")
+        rank_zero_warn(
+            "DistAutogradStrategy runs the distributed backward pass itself; the"
+            " LightningModule.backward override is not called."
+        )

@@ -48,8 +48,7 @@ class DistGradMixedPrecision(_DistGradClipping, MixedPrecision):
         self._strategy = strategy
 
 
-def adopt_precision(plugin: Precision | None,
-                    strategy: DistAutogradStrategy) -> Precision | None:
+def adopt_precision(plugin: Precision | None, strategy: DistAutogradStrategy) -> Precision | None:
     """The strategy's version of the plugin the Trainer chose; ValueError if unsupported."""
     if plugin is None or isinstance(plugin, _DistGradClipping):
         if plugin is not None:
@@ -64,4 +63,5 @@ def adopt_precision(plugin: Precision | None,
         f"DistAutogradStrategy supports precision='32-true' and 'bf16-mixed', but the Trainer"
         f" asks for precision={precision!r} ({type(plugin).__name__}). HINT: use"
         " `Trainer(precision='bf16-mixed')` for mixed precision (no gradient scaler is needed),"
-        " or `precision='32-true'`.")
+        " or `precision='32-true'`."
+    )

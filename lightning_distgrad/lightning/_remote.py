@@ -93,15 +93,22 @@ def _clamp(grad: torch.Tensor, clip_value: float) -> torch.Tensor:
     if not grad.is_sparse:
         return grad.clamp(-clip_value, clip_value)
     grad = grad.coalesce()
-    return torch.sparse_coo_tensor(grad.indices(), grad.values().clamp(-clip_value, clip_value),
-                                   grad.shape)
+    return torch.sparse_coo_tensor(
+        grad.indices(), grad.values().clamp(-clip_value, clip_value), grad.shape
+    )
 
 
 # --- RemoteModules under mixed precision, on the owner --------------------------------------------
 
 
-def autocast_forward(module_rref: rpc.RRef, device: str, is_device_map_set: bool,
-                     dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
+def autocast_forward(
+    module_rref: rpc.RRef,
+    device: str,
+    is_device_map_set: bool,
+    dtype: torch.dtype,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     """A RemoteModule's forward under ``torch.autocast(dtype)`` (autocast is per thread, so the
     trainer's autocast does not reach the owner by itself)."""
     from ..nn.remote_module import _remote_forward

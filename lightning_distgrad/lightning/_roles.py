@@ -59,8 +59,9 @@ class Roles(NamedTuple):
         return self.trainers.index(self.rank)
 
 
-def resolve_roles(world_size: int, rank: int, num_servers: int | None,
-                  server_ranks: Sequence[int] | None) -> Roles:
+def resolve_roles(
+    world_size: int, rank: int, num_servers: int | None, server_ranks: Sequence[int] | None
+) -> Roles:
     """The roles that ``num_servers`` (the last N ranks) or ``server_ranks`` give this world.
 
     Raises the same error on every rank (no communication): ``ValueError`` for arguments that
@@ -69,7 +70,8 @@ def resolve_roles(world_size: int, rank: int, num_servers: int | None,
     if num_servers is not None and server_ranks is not None:
         raise ValueError(
             f"DistAutogradStrategy: pass either num_servers ({num_servers}) or server_ranks"
-            f" ({list(server_ranks)}), not both.")
+            f" ({list(server_ranks)}), not both."
+        )
     if server_ranks is not None:
         requested = [int(r) for r in server_ranks]
         asked = f"server_ranks={requested}"
@@ -87,25 +89,29 @@ def resolve_roles(world_size: int, rank: int, num_servers: int | None,
             " plus at least one trainer), but this process is an MPI world of one: it was"
             " started without mpiexec, or by srun without an MPI plugin. HINT: launch with"
             f" {_LAUNCH_HINT.format(n=len(requested) + 1)}, or drop the servers to train in one"
-            " process.")
+            " process."
+        )
     if len(requested) >= world_size:
         raise ValueError(
             f"DistAutogradStrategy({asked}) leaves no rank to train in this world of"
             f" {world_size} ranks. HINT: launch at least {len(requested) + 1} ranks"
-            f" ({_LAUNCH_HINT.format(n=len(requested) + 1)}) or ask for fewer servers.")
+            f" ({_LAUNCH_HINT.format(n=len(requested) + 1)}) or ask for fewer servers."
+        )
     outside = [r for r in requested if not 0 <= r < world_size]
     if outside:
         raise ValueError(
             f"DistAutogradStrategy({asked}): rank(s) {outside} do not exist in this world of"
             f" {world_size} ranks (0..{world_size - 1}). HINT: pick ranks below {world_size},"
-            f" or launch more ranks ({_LAUNCH_HINT.format(n=max(*outside, world_size - 1) + 1)}).")
+            f" or launch more ranks ({_LAUNCH_HINT.format(n=max(*outside, world_size - 1) + 1)})."
+        )
     servers = tuple(sorted(requested))
     trainers = tuple(r for r in range(world_size) if r not in servers)
     return Roles(rank, world_size, tuple(sorted(servers)), trainers)
 
 
-def check_devices(env: MPIClusterEnvironment, devices: list[torch.device],
-                  trainers_on_node: int, num_nodes: int) -> None:
+def check_devices(
+    env: MPIClusterEnvironment, devices: list[torch.device], trainers_on_node: int, num_nodes: int
+) -> None:
     """Raise unless ``Trainer(devices=..., num_nodes=...)`` fits the ranks MPI started.
 
     The launch decides the processes; ``devices`` may be left at its default (1 on CPU, all
@@ -120,11 +126,13 @@ def check_devices(env: MPIClusterEnvironment, devices: list[torch.device],
             f" node ({trainers_on_node} training, {servers} serving), and the launch decides"
             f" the processes. HINT: leave `devices` unset, set `devices={on_node}` (or"
             f" `{trainers_on_node}`, the trainers), or launch {len(devices)} rank(s) per node"
-            f" (`mpiexec -n {len(devices) * env.num_nodes} ...`).")
+            f" (`mpiexec -n {len(devices) * env.num_nodes} ...`)."
+        )
     if num_nodes not in (1, env.num_nodes):
         raise ValueError(
             f"You set `num_nodes={num_nodes}`, but mpiexec started ranks on {env.num_nodes}"
-            f" node(s). HINT: leave `num_nodes` unset or set `num_nodes={env.num_nodes}`.")
+            f" node(s). HINT: leave `num_nodes` unset or set `num_nodes={env.num_nodes}`."
+        )
 
 
 class RoleLauncher(_Launcher):
@@ -139,8 +147,9 @@ class RoleLauncher(_Launcher):
         return True  # starts no process
 
     @override
-    def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None,
-               **kwargs: Any) -> Any:
+    def launch(
+        self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any
+    ) -> Any:
         stage = next(_stages)
         # Every rank enters together: a serving rank's main thread has finished building its
         # copy of the model (which draws from the global RNG) before any trainer asks one of
@@ -172,9 +181,11 @@ class RoleLauncher(_Launcher):
         failed = sorted((r for r in reports if r.error is not None), key=lambda r: r.trainer_rank)
         if failed:
             exc_type, message = failed[0].error
-            text = (f"DistAutogradStrategy: trainer {failed[0].trainer_rank} (rank"
-                    f" {roles.trainers[failed[0].trainer_rank]}) failed, so serving rank"
-                    f" {roles.rank} stops too. The trainer's error: {message}")
+            text = (
+                f"DistAutogradStrategy: trainer {failed[0].trainer_rank} (rank"
+                f" {roles.trainers[failed[0].trainer_rank]}) failed, so serving rank"
+                f" {roles.rank} stops too. The trainer's error: {message}"
+            )
             try:
                 raise exc_type(text)
             except TypeError:  # an exception type whose constructor takes other arguments

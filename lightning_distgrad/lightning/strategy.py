@@ -205,18 +205,27 @@ class DistAutogradStrategy(ParallelStrategy):
             raise TypeError(
                 "DistAutogradStrategy needs an MPIClusterEnvironment (ranks come from MPI), got"
                 f" {type(env).__name__}. HINT: pass"
-                " `cluster_environment=MPIClusterEnvironment(comm)` or leave it out.")
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=env, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
+                " `cluster_environment=MPIClusterEnvironment(comm)` or leave it out."
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=env,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         if env.world_size() == 1 and (num_servers or server_ranks):
             env.check_slurm_consistency()  # srun without an MPI plugin: say so first
-        self.roles: Roles = resolve_roles(env.world_size(), env.global_rank(), num_servers,
-                                          server_ranks)
+        self.roles: Roles = resolve_roles(
+            env.world_size(), env.global_rank(), num_servers, server_ranks
+        )
         self.replicate_local_parameters = replicate_local_parameters
         self.sync_remote_updates = sync_remote_updates
-        self._rpc_options = {"rpc_timeout": rpc_timeout, "num_worker_threads": num_worker_threads,
-                             "device_maps": device_maps}
+        self._rpc_options = {
+            "rpc_timeout": rpc_timeout,
+            "num_worker_threads": num_worker_threads,
+            "device_maps": device_maps,
+        }
         self._num_nodes = 1
         self._collectives: TrainerCollectives | None = None
         self._world: TrainerCollectives | None = None
@@ -234,8 +243,10 @@ class DistAutogradStrategy(ParallelStrategy):
         self._remote_hparams: dict[str, Any] | None = None
         self._loss_scale = 1.0
         self._patched_forwards: list[RemoteModule] = []
-        log.debug(f"{self.__class__.__name__}: rank {self.roles.rank} of {self.roles.world_size}"
-                  f" {'serves' if self.is_server else 'trains'}.")
+        log.debug(
+            f"{self.__class__.__name__}: rank {self.roles.rank} of {self.roles.world_size}"
+            f" {'serves' if self.is_server else 'trains'}."
+        )
 
     # --- Roles and ranks ---------------------------------------------------------------------
 
@@ -266,7 +277,8 @@ class DistAutogradStrategy(ParallelStrategy):
         if not self.roles.servers:
             raise ValueError(
                 "server_device: this strategy has no serving rank. HINT: pass num_servers=N or"
-                " server_ranks=[...] to DistAutogradStrategy.")
+                " server_ranks=[...] to DistAutogradStrategy."
+            )
         return f"worker{self.roles.servers[index]}/{device}"
 
     @property
@@ -346,21 +358,29 @@ class DistAutogradStrategy(ParallelStrategy):
         env.check_slurm_consistency()
         leaders = env._get_layout().leaders
         local = [r for r in self.roles.trainers if leaders[r] == leaders[self.roles.rank]]
-        self._local_trainers = (local.index(self.roles.rank) if not self.is_server else 0,
-                                len(local))
+        self._local_trainers = (
+            local.index(self.roles.rank) if not self.is_server else 0,
+            len(local),
+        )
         from mpi4py import MPI
 
         self._world = TrainerCollectives(env.world_comm().Dup())
         comm = env.world_comm().Split(MPI.UNDEFINED if self.is_server else 0, self.roles.rank)
         if not self.is_server:
             self._collectives = TrainerCollectives(comm)
-        log.debug(f"{self.__class__.__name__}: rank {self.roles.rank} is trainer"
-                  f" {self.global_rank} of {self.world_size} (local {self._local_trainers}).")
+        log.debug(
+            f"{self.__class__.__name__}: rank {self.roles.rank} is trainer"
+            f" {self.global_rank} of {self.world_size} (local {self._local_trainers})."
+        )
 
     @override
     def _configure_launcher(self) -> None:
-        check_devices(self.cluster_environment, self.parallel_devices or [],
-                      self._require_layout()[1], self._num_nodes)
+        check_devices(
+            self.cluster_environment,
+            self.parallel_devices or [],
+            self._require_layout()[1],
+            self._num_nodes,
+        )
         self._launcher = RoleLauncher(self)
 
     @override
@@ -385,11 +405,13 @@ class DistAutogradStrategy(ParallelStrategy):
                     f"DistAutogradStrategy: an RPC agent already runs as {agent.info} in a world"
                     f" of {len(agent.infos)}, but this rank is {roles.rank} of"
                     f" {roles.world_size}. HINT: call lightning_distgrad.rpc.shutdown() first,"
-                    " or start RPC over the strategy's communicator.")
+                    " or start RPC over the strategy's communicator."
+                )
             return
         log.debug(f"{self.__class__.__name__}: starting RPC on rank {roles.rank}.")
-        options = rpc.MPIRpcBackendOptions(comm=self.cluster_environment.world_comm(),
-                                           **self._rpc_options)
+        options = rpc.MPIRpcBackendOptions(
+            comm=self.cluster_environment.world_comm(), **self._rpc_options
+        )
         rpc.init_rpc(f"worker{roles.rank}", rpc_backend_options=options)
 
     @override
@@ -418,8 +440,10 @@ class DistAutogradStrategy(ParallelStrategy):
         if not self._remote_modules:
             return
         if not self.optimizers:
-            rank_zero_warn("DistAutogradStrategy: configure_optimizers returned no optimizer, so"
-                           " the RemoteModules' parameters are not trained.")
+            rank_zero_warn(
+                "DistAutogradStrategy: configure_optimizers returned no optimizer, so"
+                " the RemoteModules' parameters are not trained."
+            )
             return
         optimizer = self.optimizers[0]
         hparams = hyperparameters(optimizer)
@@ -463,8 +487,7 @@ class DistAutogradStrategy(ParallelStrategy):
         return self._collectives.broadcast(obj, src)
 
     @override
-    def reduce(self, tensor: Any, group: Any = None,
-               reduce_op: Any = "mean") -> Any:
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if not isinstance(tensor, Tensor) or self._collectives is None:
             return tensor
         return self._collectives.all_reduce(tensor, reduce_op_name(reduce_op))
@@ -505,14 +528,16 @@ class DistAutogradStrategy(ParallelStrategy):
             raise RuntimeError(
                 "DistAutogradStrategy: backward was called outside a training step, where no"
                 " distributed autograd context is open. HINT: call self.manual_backward(loss)"
-                " inside training_step.")
+                " inside training_step."
+            )
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         root = closure_loss if self._loss_scale == 1.0 else closure_loss * self._loss_scale
         # Each batch's pass adds to the context's gradients and frees its graph.
-        dist_autograd.backward(self._context_id, [root],
-                               retain_graph=bool(kwargs.get("retain_graph", False)))
+        dist_autograd.backward(
+            self._context_id, [root], retain_graph=bool(kwargs.get("retain_graph", False))
+        )
         if not (self._sync_blocked and module.automatic_optimization):
             self._collect_local_gradients()  # the last batch of the accumulation window
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
@@ -520,8 +545,9 @@ class DistAutogradStrategy(ParallelStrategy):
         return closure_loss
 
     @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None,
-                       **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
         model = model or self.lightning_module
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
@@ -530,7 +556,8 @@ class DistAutogradStrategy(ParallelStrategy):
             if self._context_id is None:
                 raise RuntimeError(
                     "DistAutogradStrategy: optimizer.step() was called outside a training step."
-                    " HINT: step optimizers inside training_step (manual optimisation).")
+                    " HINT: step optimizers inside training_step (manual optimisation)."
+                )
             self.precision_plugin._after_closure(model, optimizer)  # hooks and clipping
             optimizer.step(**kwargs)  # the local parameters, from `.grad`
             if self._updates_remote(optimizer):
@@ -544,8 +571,11 @@ class DistAutogradStrategy(ParallelStrategy):
         return closure_result
 
     def _updates_remote(self, optimizer: Any) -> bool:
-        return (self._dist_optimizer is not None and bool(self.optimizers)
-                and optimizer is self.optimizers[0])
+        return (
+            self._dist_optimizer is not None
+            and bool(self.optimizers)
+            and optimizer is self.optimizers[0]
+        )
 
     @contextlib.contextmanager
     def _step_context(self) -> Generator[None, None, None]:
@@ -600,8 +630,12 @@ class DistAutogradStrategy(ParallelStrategy):
         hparams = hyperparameters(optimizer)
         if self._remote_hparams is not None and same_hyperparameters(hparams, self._remote_hparams):
             return
-        _remote.call_all([(o.owner(), _remote.set_hyperparameters, (o, hparams))
-                          for o in self._dist_optimizer.remote_optimizers])
+        _remote.call_all(
+            [
+                (o.owner(), _remote.set_hyperparameters, (o, hparams))
+                for o in self._dist_optimizer.remote_optimizers
+            ]
+        )
         self._remote_hparams = copy.deepcopy(hparams)
 
     # --- Gradient clipping over local and remote parameters ----------------------------------
@@ -638,8 +672,14 @@ class DistAutogradStrategy(ParallelStrategy):
         context_ids = self._collectives.allgather_object(self._context_id)
         total = None
         if self._collectives.rank == 0:
-            total = math.fsum(_remote.call_all(
-                [(server, _remote.grad_sq_norm, (context_ids,)) for server in self.roles.servers]))
+            total = math.fsum(
+                _remote.call_all(
+                    [
+                        (server, _remote.grad_sq_norm, (context_ids,))
+                        for server in self.roles.servers
+                    ]
+                )
+            )
         return self._collectives.broadcast(total, 0)
 
     def _on_remote_owners(self, func: Callable, *args: Any) -> None:
@@ -662,7 +702,7 @@ class DistAutogradStrategy(ParallelStrategy):
         state = dict(checkpoint["state_dict"])
         for name, remote in remotes:
             prefix = f"{name}."
-            part = {k[len(prefix):]: state.pop(k) for k in list(state) if k.startswith(prefix)}
+            part = {k[len(prefix) :]: state.pop(k) for k in list(state) if k.startswith(prefix)}
             if part or strict:
                 remote.load_remote_state_dict(part, strict=strict)
         module.load_state_dict(state, strict=strict)
@@ -690,15 +730,18 @@ class DistAutogradStrategy(ParallelStrategy):
 
     def _load_remote_optimizer_state(self, remote: list[dict] | None) -> None:
         if remote is None:
-            rank_zero_warn("DistAutogradStrategy: the checkpoint has no remote optimizer state;"
-                           " the remote optimizers start afresh.")
+            rank_zero_warn(
+                "DistAutogradStrategy: the checkpoint has no remote optimizer state;"
+                " the remote optimizers start afresh."
+            )
             return
         if len(remote) != self.num_trainers:
             raise ValueError(
                 f"The checkpoint holds the remote optimizer states of {len(remote)} trainer(s),"
                 f" but this run has {self.num_trainers}. HINT: resume with the same number of"
                 " trainers and servers, or load the weights only"
-                " (`LightningModule.load_from_checkpoint`) and start the optimizers afresh.")
+                " (`LightningModule.load_from_checkpoint`) and start the optimizers afresh."
+            )
         self._dist_optimizer.load_state_dict(remote[self.global_rank])
         self._remote_hparams = None  # push the user's optimizer's values at the next step
 
@@ -733,9 +776,13 @@ class DistAutogradStrategy(ParallelStrategy):
 
     # --- Helpers for LightningModules ---------------------------------------------------------
 
-    def remote_module(self, remote_device: str, module_cls: Callable[..., nn.Module],
-                      args: tuple | None = None,
-                      kwargs: dict[str, Any] | None = None) -> RemoteModule:
+    def remote_module(
+        self,
+        remote_device: str,
+        module_cls: Callable[..., nn.Module],
+        args: tuple | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> RemoteModule:
         r"""One RemoteModule shared by all trainers: trainer 0 creates it, the others get it.
 
         A collective over the trainers: call it on every trainer, in the same order, after the
@@ -760,13 +807,15 @@ class DistAutogradStrategy(ParallelStrategy):
         if self._collectives is None or self.is_server:
             raise RuntimeError(
                 "DistAutogradStrategy.remote_module runs on trainers once the strategy is set up."
-                " HINT: call it in LightningModule.configure_model (or setup).")
+                " HINT: call it in LightningModule.configure_model (or setup)."
+            )
         self.start_rpc()
         key = next(_shared_modules)
         if self._collectives.rank == 0:
             module = RemoteModule(remote_device, module_cls, args, kwargs)
-            _remote.call_all([(rank, _remote.stash_shared, (key, module))
-                              for rank in self.roles.trainers[1:]])
+            _remote.call_all(
+                [(rank, _remote.stash_shared, (key, module)) for rank in self.roles.trainers[1:]]
+            )
         self._collectives.barrier()
         if self._collectives.rank != 0:
             module = _remote.take_shared(key)
@@ -779,7 +828,8 @@ class DistAutogradStrategy(ParallelStrategy):
             raise RuntimeError(
                 "DistAutogradStrategy is not connected to a Trainer yet (its ranks are learned"
                 " when the Trainer is built). HINT: pass it to `Trainer(strategy=...)` on every"
-                " rank.")
+                " rank."
+            )
         return self._local_trainers
 
     def _setup_replication(self, module: nn.Module) -> None:
@@ -790,8 +840,9 @@ class DistAutogradStrategy(ParallelStrategy):
             return
         if self.replicate_local_parameters:
             if any(True for _ in module.parameters()):
-                self._owned_replica = ReplicatedModule(module, self._collectives.comm,
-                                                       broadcast_buffers=False)
+                self._owned_replica = ReplicatedModule(
+                    module, self._collectives.comm, broadcast_buffers=False
+                )
                 self._replicated = [self._owned_replica]
         else:
             self._replicated = [m for m in module.modules() if isinstance(m, ReplicatedModule)]
@@ -809,8 +860,10 @@ class DistAutogradStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
-            cls.strategy_name, cls,
-            description="Distributed autograd over MPI: trainers and parameter servers")
+            cls.strategy_name,
+            cls,
+            description="Distributed autograd over MPI: trainers and parameter servers",
+        )
 
 
 def _register_with_lightning() -> None:

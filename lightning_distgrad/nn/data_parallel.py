@@ -76,7 +76,7 @@ def _pack_bytes(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     flat = torch.zeros(total, dtype=torch.uint8)
     for t, off in zip(tensors, offsets, strict=True):
         n = t.numel() * t.element_size()
-        flat[off:off + n] = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[off : off + n] = t.detach().contiguous().reshape(-1).view(torch.uint8)
     return flat, offsets
 
 
@@ -84,7 +84,7 @@ def _unpack_bytes(flat: torch.Tensor, offsets: list[int], tensors: list[torch.Te
     with torch.no_grad():
         for t, off in zip(tensors, offsets, strict=True):
             n = t.numel() * t.element_size()
-            t.copy_(flat[off:off + n].view(t.dtype).view(t.shape))
+            t.copy_(flat[off : off + n].view(t.dtype).view(t.shape))
 
 
 def _broadcast(comm: MPI.Intracomm, tensors: list[torch.Tensor], root: int) -> None:
@@ -98,8 +98,9 @@ def _broadcast(comm: MPI.Intracomm, tensors: list[torch.Tensor], root: int) -> N
 
 
 def _signature(module: nn.Module) -> list[tuple[str, str, tuple[int, ...], str]]:
-    return ([("parameter", n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
-            + [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()])
+    return [
+        ("parameter", n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()
+    ] + [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
 
 
 def _check_same_structure(comm: MPI.Intracomm, module: nn.Module) -> None:
@@ -112,12 +113,14 @@ def _check_same_structure(comm: MPI.Intracomm, module: nn.Module) -> None:
         return
     signatures = comm.allgather(signature)  # error path only: say what differs
     other = next(r for r, sig in enumerate(signatures) if sig != signatures[0])
-    mine, theirs = next((a, b) for a, b in itertools.zip_longest(signatures[0], signatures[other])
-                        if a != b)
+    mine, theirs = next(
+        (a, b) for a, b in itertools.zip_longest(signatures[0], signatures[other]) if a != b
+    )
     raise ValueError(
         "ReplicatedModule: the trainers wrap different modules (parameter and buffer names, "
         f"shapes and dtypes must match). First difference: rank 0 of the communicator has "
-        f"{mine}, rank {other} has {theirs}.")
+        f"{mine}, rank {other} has {theirs}."
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -129,8 +132,9 @@ def _context_grads(context_id: int, params: list[nn.Parameter]) -> list[torch.Te
     return [grads.get(p) for p in params]
 
 
-def _replace_context_grads(context_id: int, params: list[nn.Parameter],
-                           grads: list[torch.Tensor | None]) -> None:
+def _replace_context_grads(
+    context_id: int, params: list[nn.Parameter], grads: list[torch.Tensor | None]
+) -> None:
     ctx = dist_autograd._retrieve_context(context_id)
     with ctx.lock:
         for p, g in zip(params, grads, strict=True):
@@ -140,8 +144,9 @@ def _replace_context_grads(context_id: int, params: list[nn.Parameter],
                 ctx.grads[p] = g
 
 
-def _plan_buckets(params: list[nn.Parameter], chosen: list[int],
-                  cap: int) -> list[tuple[torch.dtype, list[int]]]:
+def _plan_buckets(
+    params: list[nn.Parameter], chosen: list[int], cap: int
+) -> list[tuple[torch.dtype, list[int]]]:
     """Group parameters ``chosen`` by reduction dtype, in order, in buckets of <= ``cap`` bytes."""
     buckets: list[tuple[torch.dtype, list[int]]] = []
     open_buckets: dict[torch.dtype, tuple[list[int], int]] = {}
@@ -164,17 +169,27 @@ def _dense_or_zeros(grad: torch.Tensor | None, param: nn.Parameter) -> torch.Ten
     return grad.to_dense() if grad.is_sparse else grad
 
 
-def _average_dense(comm: MPI.Intracomm, grads: list[torch.Tensor | None],
-                   params: list[nn.Parameter], chosen: list[int],
-                   bucket_cap: int) -> dict[int, torch.Tensor]:
+def _average_dense(
+    comm: MPI.Intracomm,
+    grads: list[torch.Tensor | None],
+    params: list[nn.Parameter],
+    chosen: list[int],
+    bucket_cap: int,
+) -> dict[int, torch.Tensor]:
     """Mean over ``comm`` of the gradients of parameters ``chosen`` (missing ones count as 0).
 
     One in-place ``Iallreduce`` per bucket, all in flight at once; through host memory.
     """
     buckets = _plan_buckets(params, chosen, bucket_cap)
-    flats = [torch.cat([_dense_or_zeros(grads[i], params[i]).detach().reshape(-1)
-                        .to("cpu", dtype) for i in group])
-             for dtype, group in buckets]
+    flats = [
+        torch.cat(
+            [
+                _dense_or_zeros(grads[i], params[i]).detach().reshape(-1).to("cpu", dtype)
+                for i in group
+            ]
+        )
+        for dtype, group in buckets
+    ]
     _wait([comm.Iallreduce(MPI.IN_PLACE, _as_buffer(flat), MPI.SUM) for flat in flats])
     size = comm.Get_size()
     averaged: dict[int, torch.Tensor] = {}
@@ -183,19 +198,26 @@ def _average_dense(comm: MPI.Intracomm, grads: list[torch.Tensor | None],
         offset = 0
         for i in group:
             n = params[i].numel()
-            averaged[i] = flat[offset:offset + n].view(params[i].shape).to(params[i].device,
-                                                                             params[i].dtype)
+            averaged[i] = (
+                flat[offset : offset + n]
+                .view(params[i].shape)
+                .to(params[i].device, params[i].dtype)
+            )
             offset += n
     return averaged
 
 
-def _average_sparse(comm: MPI.Intracomm, grad: torch.Tensor | None,
-                    param: nn.Parameter) -> torch.Tensor:
+def _average_sparse(
+    comm: MPI.Intracomm, grad: torch.Tensor | None, param: nn.Parameter
+) -> torch.Tensor:
     """Mean over ``comm`` of one parameter's sparse gradients (gathered, then coalesced)."""
     if grad is None:
-        grad = torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.long),
-                                       torch.empty((0, *param.shape[1:]), dtype=param.dtype),
-                                       param.shape, check_invariants=False)
+        grad = torch.sparse_coo_tensor(
+            torch.empty((1, 0), dtype=torch.long),
+            torch.empty((0, *param.shape[1:]), dtype=param.dtype),
+            param.shape,
+            check_invariants=False,
+        )
     elif not grad.is_sparse or grad.sparse_dim() != 1:  # row-sparse everywhere, as embeddings
         grad = grad.to_dense().to_sparse(1)
     grad = grad.coalesce()
@@ -279,24 +301,33 @@ class ReplicatedModule(nn.Module):
         >>> rpc.shutdown()
     """
 
-    def __init__(self, module: nn.Module, comm: MPI.Intracomm | None = None, *, src: int = 0,
-                 broadcast_buffers: bool = True,
-                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: MPI.Intracomm | None = None,
+        *,
+        src: int = 0,
+        broadcast_buffers: bool = True,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    ):
         super().__init__()
         comm = MPI.COMM_WORLD if comm is None else comm
         if comm == MPI.COMM_NULL or not isinstance(comm, MPI.Intracomm):
             raise ValueError(
                 f"ReplicatedModule: comm must be the trainers' intracommunicator, got {comm!r}. "
                 "HINT: build the ReplicatedModule only on the ranks of the communicator "
-                "(Split gives MPI.COMM_NULL to the other ranks).")
+                "(Split gives MPI.COMM_NULL to the other ranks)."
+            )
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError(
                 "ReplicatedModule needs MPI initialised with MPI_THREAD_MULTIPLE (the RPC "
                 f"agent's thread calls MPI at the same time); this process has level "
-                f"{MPI.Query_thread()}. HINT: do not lower mpi4py.rc.thread_level.")
+                f"{MPI.Query_thread()}. HINT: do not lower mpi4py.rc.thread_level."
+            )
         if not 0 <= src < comm.Get_size():
-            raise ValueError(f"ReplicatedModule: src={src} is not a rank of comm "
-                             f"(size {comm.Get_size()})")
+            raise ValueError(
+                f"ReplicatedModule: src={src} is not a rank of comm (size {comm.Get_size()})"
+            )
         self.module = module
         self.src = src
         self.broadcast_buffers = broadcast_buffers
@@ -361,26 +392,33 @@ class ReplicatedModule(nn.Module):
         """
         return [rpc.RRef(p) for p in self.module.parameters()]
 
-    def _local_grads(self, context_id: int, params: list[nn.Parameter],
-                     ) -> tuple[list[torch.Tensor | None], BaseException | None]:
+    def _local_grads(
+        self,
+        context_id: int,
+        params: list[nn.Parameter],
+    ) -> tuple[list[torch.Tensor | None], BaseException | None]:
         try:
             return _context_grads(context_id, params), None
         except Exception as e:
             return [None] * len(params), e
 
-    def _agree(self, grads: list[torch.Tensor | None], error: BaseException | None,
-               ) -> tuple[list[bool], list[bool]]:
+    def _agree(
+        self,
+        grads: list[torch.Tensor | None],
+        error: BaseException | None,
+    ) -> tuple[list[bool], list[bool]]:
         """Which parameters have a (sparse) gradient on any trainer; raise if a trainer failed."""
         n = len(grads)
         flags = np.zeros(1 + 2 * n, dtype=np.int32)
         flags[0] = error is not None
-        flags[1:1 + n] = [g is not None for g in grads]
-        flags[1 + n:] = [g is not None and g.is_sparse for g in grads]
+        flags[1 : 1 + n] = [g is not None for g in grads]
+        flags[1 + n :] = [g is not None and g.is_sparse for g in grads]
         _wait([self.comm.Iallreduce(MPI.IN_PLACE, flags, MPI.SUM)])
         if error is not None:
             raise error
         if flags[0]:
             raise RuntimeError(
                 f"ReplicatedModule.sync_gradients failed on {flags[0]} other trainer(s); see the "
-                "error raised there. No gradient was changed.")
-        return [bool(f) for f in flags[1:1 + n]], [bool(f) for f in flags[1 + n:]]
+                "error raised there. No gradient was changed."
+            )
+        return [bool(f) for f in flags[1 : 1 + n]], [bool(f) for f in flags[1 + n :]]

@@ -35,23 +35,53 @@ _REMOTE_MODULE_PICKLED_ATTRIBUTES = (
 )
 
 _SerializedRemoteModule = collections.namedtuple(  # type: ignore[misc]
-    "_SerializedRemoteModule", _REMOTE_MODULE_PICKLED_ATTRIBUTES)
+    "_SerializedRemoteModule", _REMOTE_MODULE_PICKLED_ATTRIBUTES
+)
 
 #: Attributes that are rebuilt on the receiver instead: ``nn.Module``'s own
 #: state (fresh and empty there) and the installed ``forward``/``forward_async``.
 _REMOTE_MODULE_ATTRIBUTES_IGNORE_FOR_PICKLING = frozenset(vars(nn.Module())) | {
-    "forward_async", "forward"}
+    "forward_async",
+    "forward",
+}
 
-_PARSE_ERROR = ("Could not parse remote_device: {}. The valid format is '<workername>/<device>' "
-                "or 'rank:<rank>/<device>' or '<device>'")
+_PARSE_ERROR = (
+    "Could not parse remote_device: {}. The valid format is '<workername>/<device>' "
+    "or 'rank:<rank>/<device>' or '<device>'"
+)
 
 #: ``nn.Module`` methods that make no sense on a module that lives elsewhere.
 _UNSUPPORTED_METHODS = (
-    "register_buffer", "register_parameter", "add_module", "apply", "cuda", "ipu", "xpu", "cpu",
-    "type", "float", "double", "half", "bfloat16", "to", "register_backward_hook",
-    "register_forward_pre_hook", "register_forward_hook", "state_dict", "load_state_dict",
-    "named_parameters", "buffers", "named_buffers", "children", "named_children", "modules",
-    "named_modules", "requires_grad_", "zero_grad", "share_memory", "extra_repr",
+    "register_buffer",
+    "register_parameter",
+    "add_module",
+    "apply",
+    "cuda",
+    "ipu",
+    "xpu",
+    "cpu",
+    "type",
+    "float",
+    "double",
+    "half",
+    "bfloat16",
+    "to",
+    "register_backward_hook",
+    "register_forward_pre_hook",
+    "register_forward_hook",
+    "state_dict",
+    "load_state_dict",
+    "named_parameters",
+    "buffers",
+    "named_buffers",
+    "children",
+    "named_children",
+    "modules",
+    "named_modules",
+    "requires_grad_",
+    "zero_grad",
+    "share_memory",
+    "extra_repr",
 )
 #: The replacement to name in the error, where there is one.
 _REPLACEMENTS = {
@@ -65,18 +95,21 @@ _REPLACEMENTS = {
 # RPC handlers (run on the module's worker)
 
 
-def _create_module(module_cls: Callable[..., nn.Module], args: tuple, kwargs: dict,
-                   device: str) -> nn.Module:
+def _create_module(
+    module_cls: Callable[..., nn.Module], args: tuple, kwargs: dict, device: str
+) -> nn.Module:
     module = module_cls(*args, **kwargs)
     if not isinstance(module, nn.Module):
         raise ValueError(
             "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
-            f"but it returns an instance of {type(module)}.")
+            f"but it returns an instance of {type(module)}."
+        )
     return module.to(device)
 
 
-def _remote_forward(module_rref: rpc.RRef, device: str, is_device_map_set: bool, *args: Any,
-                    **kwargs: Any) -> Any:
+def _remote_forward(
+    module_rref: rpc.RRef, device: str, is_device_map_set: bool, *args: Any, **kwargs: Any
+) -> Any:
     module = module_rref.local_value()
     if torch.device(device).type == "cpu":
         return module(*args, **kwargs)
@@ -96,8 +129,10 @@ def _set_training(module_rref: rpc.RRef, mode: bool) -> None:
 
 def _module_state_dict(module_rref: rpc.RRef) -> dict[str, Any]:
     # Copies: the reply's tensors may be sent after a concurrent optimizer step.
-    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-            for k, v in module_rref.local_value().state_dict().items()}
+    return {
+        k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+        for k, v in module_rref.local_value().state_dict().items()
+    }
 
 
 def _module_load_state_dict(module_rref: rpc.RRef, state_dict: dict, strict: bool) -> Any:
@@ -123,15 +158,21 @@ def _move_tensors(obj: Any, device: torch.device) -> Any:
 class _Generated:
     @staticmethod
     def forward_async(self: RemoteModule, *args: Any, **kwargs: Any) -> torch.futures.Future:
-        return rpc.rpc_async(self.module_rref.owner(), _remote_forward,
-                             (self.module_rref, self.device, self.is_device_map_set, *args),
-                             kwargs)
+        return rpc.rpc_async(
+            self.module_rref.owner(),
+            _remote_forward,
+            (self.module_rref, self.device, self.is_device_map_set, *args),
+            kwargs,
+        )
 
     @staticmethod
     def forward(self: RemoteModule, *args: Any, **kwargs: Any) -> Any:
-        return rpc.rpc_sync(self.module_rref.owner(), _remote_forward,
-                            (self.module_rref, self.device, self.is_device_map_set, *args),
-                            kwargs)
+        return rpc.rpc_sync(
+            self.module_rref.owner(),
+            _remote_forward,
+            (self.module_rref, self.device, self.is_device_map_set, *args),
+            kwargs,
+        )
 
 
 _GENERATED_METHODS = (_Generated.forward_async, _Generated.forward)
@@ -191,7 +232,8 @@ def _resolve_worker(on: str | int | None, remote_device: str) -> tuple[str | int
         known = ", ".join(f"{w.name} (rank {w.id})" for w in agent.infos)
         raise ValueError(
             f"RemoteModule: remote_device {remote_device!r} names a worker that is not in this "
-            f"RPC job. Known workers: {known}.") from e
+            f"RPC job. Known workers: {known}."
+        ) from e
     return on, info.name
 
 
@@ -271,21 +313,29 @@ class RemoteModule(nn.Module):
     forward: Callable[..., Any]
     forward_async: Callable[..., torch.futures.Future]
 
-    def __init__(self, remote_device: str, module_cls: Callable[..., nn.Module],
-                 args: tuple | None = None, kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        remote_device: str,
+        module_cls: Callable[..., nn.Module],
+        args: tuple | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ):
         super().__init__()
         self._prepare_init(remote_device)
         self.is_scriptable = False
         self.generated_methods = _GENERATED_METHODS
-        self.module_rref = rpc.remote(self.on, _create_module,
-                                      (module_cls, tuple(args or ()), dict(kwargs or {}),
-                                       self.device))
+        self.module_rref = rpc.remote(
+            self.on,
+            _create_module,
+            (module_cls, tuple(args or ()), dict(kwargs or {}), self.device),
+        )
         _install_generated_methods(self)
         self._check_attribute_picklability()
 
     @staticmethod
-    def init_from_module_rref(remote_device: str, module_rref: rpc.RRef,
-                              _module_interface_cls: Any = None) -> RemoteModule:
+    def init_from_module_rref(
+        remote_device: str, module_rref: rpc.RRef, _module_interface_cls: Any = None
+    ) -> RemoteModule:
         r"""A RemoteModule over an existing remote module (no new module is created).
 
         Several RemoteModules (on several workers) can share one remote module:
@@ -310,7 +360,8 @@ class RemoteModule(nn.Module):
         if not isinstance(module_rref, rpc.RRef):
             raise TypeError(
                 f"init_from_module_rref: module_rref must be an RRef, got "
-                f"{type(module_rref).__name__}")
+                f"{type(module_rref).__name__}"
+            )
         remote_module = object.__new__(RemoteModule)
         nn.Module.__init__(remote_module)
         remote_module._prepare_init(remote_device)
@@ -318,7 +369,8 @@ class RemoteModule(nn.Module):
         if remote_module._worker_name != owner.name:
             raise ValueError(
                 f"init_from_module_rref: remote_device {remote_device!r} names worker "
-                f"{remote_module._worker_name}, but module_rref is owned by {owner.name}")
+                f"{remote_module._worker_name}, but module_rref is owned by {owner.name}"
+            )
         remote_module.is_scriptable = False
         remote_module.generated_methods = _GENERATED_METHODS
         remote_module.module_rref = module_rref
@@ -337,11 +389,14 @@ class RemoteModule(nn.Module):
 
     def _check_attribute_picklability(self) -> None:
         for k in self.__dict__:
-            if (k not in _REMOTE_MODULE_PICKLED_ATTRIBUTES
-                    and k not in _REMOTE_MODULE_ATTRIBUTES_IGNORE_FOR_PICKLING):
+            if (
+                k not in _REMOTE_MODULE_PICKLED_ATTRIBUTES
+                and k not in _REMOTE_MODULE_ATTRIBUTES_IGNORE_FOR_PICKLING
+            ):
                 raise AttributeError(
                     f"Attribute {k} must be either in ``_REMOTE_MODULE_PICKLED_ATTRIBUTES`` or "
-                    "``_REMOTE_MODULE_ATTRIBUTES_IGNORE_FOR_PICKLING``.")
+                    "``_REMOTE_MODULE_ATTRIBUTES_IGNORE_FOR_PICKLING``."
+                )
 
     # -- remote state -------------------------------------------------------------
 
@@ -399,8 +454,9 @@ class RemoteModule(nn.Module):
             >>> remote.load_remote_state_dict(torch.load("remote_linear.pt"))
             <All keys matched successfully>
         """
-        return rpc.rpc_sync(self.on, _module_load_state_dict,
-                            (self.module_rref, state_dict, strict))
+        return rpc.rpc_sync(
+            self.on, _module_load_state_dict, (self.module_rref, state_dict, strict)
+        )
 
     def train(self, mode: bool = True) -> RemoteModule:
         r"""Set the remote module's training mode; returns this RemoteModule.
@@ -431,7 +487,8 @@ class RemoteModule(nn.Module):
     def parameters(self, recurse: bool = True) -> Any:
         raise ValueError(
             "Method ``parameters`` not supported for RemoteModule. Please use "
-            "``remote_parameters`` instead.")
+            "``remote_parameters`` instead."
+        )
 
     def __repr__(self) -> str:
         return f"RemoteModule(on={self.on!r}, device={self.device!r})"
@@ -442,17 +499,24 @@ class RemoteModule(nn.Module):
         if current_pickling_context() is None:
             raise RuntimeError(
                 "Cannot pickle RemoteModule in python pickler. RemoteModule can only be "
-                "pickled when using RPC")
+                "pickled when using RPC"
+            )
         for k in self.__dict__:
-            if (k not in _REMOTE_MODULE_PICKLED_ATTRIBUTES
-                    and k not in _REMOTE_MODULE_ATTRIBUTES_IGNORE_FOR_PICKLING):
+            if (
+                k not in _REMOTE_MODULE_PICKLED_ATTRIBUTES
+                and k not in _REMOTE_MODULE_ATTRIBUTES_IGNORE_FOR_PICKLING
+            ):
                 warnings.warn(
                     f"The new attribute ``{k}`` of RemoteModule is ignored during RPC pickling. "
                     "To pickle this attribute, please add it to "
                     "``_REMOTE_MODULE_PICKLED_ATTRIBUTES``. Otherwise, please explicitly add it "
-                    "to ``_REMOTE_MODULE_ATTRIBUTES_IGNORE_FOR_PICKLING``.", stacklevel=2)
-        return (_remote_module_receiver,
-                tuple(self.__dict__[k] for k in _REMOTE_MODULE_PICKLED_ATTRIBUTES))
+                    "to ``_REMOTE_MODULE_ATTRIBUTES_IGNORE_FOR_PICKLING``.",
+                    stacklevel=2,
+                )
+        return (
+            _remote_module_receiver,
+            tuple(self.__dict__[k] for k in _REMOTE_MODULE_PICKLED_ATTRIBUTES),
+        )
 
 
 def _raise_not_supported(name: str) -> Callable[..., Any]:

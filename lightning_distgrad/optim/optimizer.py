@@ -37,8 +37,13 @@ class _LocalOptimizer:
     # state reads and state loads are serialised.
     global_lock = threading.Lock()
 
-    def __init__(self, optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef],
-                 *args: Any, **kwargs: Any):
+    def __init__(
+        self,
+        optim_cls: type[torch.optim.Optimizer],
+        local_params_rref: list[RRef],
+        *args: Any,
+        **kwargs: Any,
+    ):
         self._local_params = [rref.local_value() for rref in local_params_rref]
         self.optim = optim_cls(self._local_params, *args, **kwargs)
 
@@ -79,12 +84,16 @@ def _context_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
 # RPC handlers.
 
 
-def _new_local_optimizer(optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef],
-                         *args: Any, **kwargs: Any) -> tuple[RRef | None, list[tuple[int, str]]]:
+def _new_local_optimizer(
+    optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef], *args: Any, **kwargs: Any
+) -> tuple[RRef | None, list[tuple[int, str]]]:
     """(the local optimizer, []), or (None, [(position, type name)]) if some RRef holds no
     tensor: the caller raises for those, and no optimizer is built on bad parameters."""
-    not_tensors = [(i, type(value).__name__) for i, rref in enumerate(local_params_rref)
-                   if not isinstance(value := rref.local_value(), torch.Tensor)]
+    not_tensors = [
+        (i, type(value).__name__)
+        for i, rref in enumerate(local_params_rref)
+        if not isinstance(value := rref.local_value(), torch.Tensor)
+    ]
     if not_tensors:
         return None, not_tensors
     return RRef(_LocalOptimizer(optim_cls, local_params_rref, *args, **kwargs)), []
@@ -123,8 +132,15 @@ def _call_all(calls: list[tuple]) -> list[Any]:
         if _core.resolve(agent, worker).id == agent.info.id:
             local.append((i, func, args, kw))
         else:
-            remote[i] = _core.invoke(worker, func, args, kw, _core.UNSET_RPC_TIMEOUT,
-                                     user_visible=False, force_autograd=False)
+            remote[i] = _core.invoke(
+                worker,
+                func,
+                args,
+                kw,
+                _core.UNSET_RPC_TIMEOUT,
+                user_visible=False,
+                force_autograd=False,
+            )
     for i, func, args, kw in local:
         try:
             results[i] = func(*args, **kw)
@@ -141,22 +157,26 @@ def _call_all(calls: list[tuple]) -> list[Any]:
 
 
 def _check_optimizer_class(optimizer_class: Any) -> None:
-    if not (isinstance(optimizer_class, type)
-            and issubclass(optimizer_class, torch.optim.Optimizer)):
+    if not (
+        isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+    ):
         raise TypeError(
             "DistributedOptimizer: optimizer_class must be a subclass of torch.optim.Optimizer "
-            f"(for example torch.optim.SGD), got {optimizer_class!r}")
+            f"(for example torch.optim.SGD), got {optimizer_class!r}"
+        )
 
 
-def _raise_if_not_tensors(per_owner: dict[Any, list[int]],
-                          not_tensors: list[tuple[Any, list[tuple[int, str]]]]) -> None:
+def _raise_if_not_tensors(
+    per_owner: dict[Any, list[int]], not_tensors: list[tuple[Any, list[tuple[int, str]]]]
+) -> None:
     """Raise a ``TypeError`` naming the first ``params_rref`` entry whose value is no tensor.
 
     ``per_owner[owner]`` holds the ``params_rref`` positions of ``owner``'s RRefs;
     ``not_tensors`` the (owner, [(position among them, type name)]) that owners reported.
     """
-    bad = sorted((per_owner[owner][i], owner.name, held)
-                 for owner, found in not_tensors for i, held in found)
+    bad = sorted(
+        (per_owner[owner][i], owner.name, held) for owner, found in not_tensors for i, held in found
+    )
     if not bad:
         return
     index, owner, held = bad[0]
@@ -164,7 +184,8 @@ def _raise_if_not_tensors(per_owner: dict[Any, list[int]],
     more = f" ({len(bad) - 1} more entries hold no tensor either)" if len(bad) > 1 else ""
     raise TypeError(
         f"DistributedOptimizer: params_rref[{index}] (owned by {owner}) holds {article} {held}, "
-        "not a tensor; pass RRefs to parameters, e.g. RemoteModule.remote_parameters()" + more)
+        "not a tensor; pass RRefs to parameters, e.g. RemoteModule.remote_parameters()" + more
+    )
 
 
 def _group_by_owner(params_rref: Iterable[RRef]) -> dict[Any, list[tuple[int, RRef]]]:
@@ -172,14 +193,16 @@ def _group_by_owner(params_rref: Iterable[RRef]) -> dict[Any, list[tuple[int, RR
     if isinstance(params_rref, (torch.Tensor, RRef)) or not isinstance(params_rref, Iterable):
         raise TypeError(
             "DistributedOptimizer: params_rref must be a list of RRefs to parameters, got "
-            f"{type(params_rref).__name__}")
+            f"{type(params_rref).__name__}"
+        )
     per_owner: dict[Any, list[tuple[int, RRef]]] = collections.defaultdict(list)
     for i, rref in enumerate(params_rref):
         if not isinstance(rref, RRef):
             raise TypeError(
                 f"DistributedOptimizer: params_rref[{i}] is a {type(rref).__name__}, not an "
                 "RRef. Wrap a local parameter with lightning_distgrad.rpc.RRef(param), and "
-                "get the parameters of a RemoteModule with remote_module.remote_parameters().")
+                "get the parameters of a RemoteModule with remote_module.remote_parameters()."
+            )
         per_owner[rref.owner()].append((i, rref))
     if not per_owner:
         raise ValueError("DistributedOptimizer got an empty params_rref list")
@@ -246,20 +269,33 @@ class DistributedOptimizer:
         >>> rpc.shutdown()
     """
 
-    def __init__(self, optimizer_class: type[torch.optim.Optimizer], params_rref: list[RRef],
-                 *args: Any, **kwargs: Any):
+    def __init__(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        params_rref: list[RRef],
+        *args: Any,
+        **kwargs: Any,
+    ):
         _check_optimizer_class(optimizer_class)
         per_owner = _group_by_owner(params_rref)
         self.optimizer_class = optimizer_class
         # The owners check that their RRefs hold tensors in the same call that builds
         # their optimizers: one round trip per owner.
-        built = _call_all([
-            (owner, _new_local_optimizer,
-             (optimizer_class, [rref for _, rref in entries], *args), kwargs)
-            for owner, entries in per_owner.items()])
+        built = _call_all(
+            [
+                (
+                    owner,
+                    _new_local_optimizer,
+                    (optimizer_class, [rref for _, rref in entries], *args),
+                    kwargs,
+                )
+                for owner, entries in per_owner.items()
+            ]
+        )
         _raise_if_not_tensors(
             {owner: [i for i, _ in entries] for owner, entries in per_owner.items()},
-            [(owner, found) for owner, (_, found) in zip(per_owner, built, strict=True)])
+            [(owner, found) for owner, (_, found) in zip(per_owner, built, strict=True)],
+        )
         self.remote_optimizers: list[RRef] = [optim for optim, _ in built]
 
     def step(self, context_id: int) -> None:
@@ -284,8 +320,12 @@ class DistributedOptimizer:
             ...     opt.step(context_id)
         """
         dist_autograd._is_valid_context(context_id)
-        _call_all([(optim.owner(), _local_optimizer_step, (optim, context_id))
-                   for optim in self.remote_optimizers])
+        _call_all(
+            [
+                (optim.owner(), _local_optimizer_step, (optim, context_id))
+                for optim in self.remote_optimizers
+            ]
+        )
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
         r"""The state dicts of the local optimizers, keyed by owner name.
@@ -304,9 +344,12 @@ class DistributedOptimizer:
             >>> opt.load_state_dict(sd)
         """
         owners = [optim.owner() for optim in self.remote_optimizers]
-        states = _call_all([(owner, _local_optimizer_state_dict, (optim,))
-                            for owner, optim in zip(owners, self.remote_optimizers,
-                                                    strict=True)])
+        states = _call_all(
+            [
+                (owner, _local_optimizer_state_dict, (optim,))
+                for owner, optim in zip(owners, self.remote_optimizers, strict=True)
+            ]
+        )
         return {owner.name: state for owner, state in zip(owners, states, strict=True)}
 
     def load_state_dict(self, state_dict: dict[str, dict[str, Any]]) -> None:
@@ -331,11 +374,15 @@ class DistributedOptimizer:
             raise ValueError(
                 "DistributedOptimizer.load_state_dict: the state dict has entries for workers "
                 f"{sorted(given)}, but this optimizer's parameters live on {sorted(expected)}. "
-                f"Missing: {sorted(expected - given)}; unexpected: {sorted(given - expected)}.")
-        _call_all([(owner, _local_optimizer_load_state_dict, (optim, state_dict[owner.name]))
-                   for owner, optim in zip(owners, self.remote_optimizers, strict=True)])
+                f"Missing: {sorted(expected - given)}; unexpected: {sorted(given - expected)}."
+            )
+        _call_all(
+            [
+                (owner, _local_optimizer_load_state_dict, (optim, state_dict[owner.name]))
+                for owner, optim in zip(owners, self.remote_optimizers, strict=True)
+            ]
+        )
 
     def __repr__(self) -> str:
         owners = ", ".join(optim.owner().name for optim in self.remote_optimizers)
         return f"DistributedOptimizer({self.optimizer_class.__name__}, owners=[{owners}])"
-

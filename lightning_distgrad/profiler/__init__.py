@@ -31,8 +31,9 @@ __all__ = ["profile", "plot_timeline"]
 
 
 @contextlib.contextmanager
-def profile(path: str | os.PathLike, comm: MPI.Comm | None = None,
-            **kwargs: Any) -> Iterator[torch.profiler.profile]:
+def profile(
+    path: str | os.PathLike, comm: MPI.Comm | None = None, **kwargs: Any
+) -> Iterator[torch.profiler.profile]:
     """Profile this rank with ``torch.profiler.profile(**kwargs)``; on exit, rank 0
     writes the merged trace of every rank to ``path``. A collective: enter it on every
     rank of ``comm`` (default ``MPI.COMM_WORLD``).
@@ -66,8 +67,11 @@ def profile(path: str | os.PathLike, comm: MPI.Comm | None = None,
                 _wait_for_everyone(work)
         finally:
             set_log(None)
-        names = ([info.name for info in agent.infos] if agent is not None
-                 else [f"worker{r}" for r in range(work.Get_size())])
+        names = (
+            [info.name for info in agent.infos]
+            if agent is not None
+            else [f"worker{r}" for r in range(work.Get_size())]
+        )
         gathered = work.gather((_chrome_trace(prof), log.entries), root=0)
         if work.Get_rank() == 0:
             merged = merge_traces(gathered, offsets, names)

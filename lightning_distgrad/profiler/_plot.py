@@ -26,7 +26,8 @@ def plot_timeline(trace_path: str | os.PathLike, out_path: str | os.PathLike) ->
     with open(trace_path) as f:
         trace = json.load(f)
     names = trace.get("otherData", {}).get("workers") or sorted(
-        {e["pid"] for e in trace["traceEvents"] if isinstance(e.get("pid"), int)})
+        {e["pid"] for e in trace["traceEvents"] if isinstance(e.get("pid"), int)}
+    )
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in DRAWN]
     flows = {}
     for e in trace["traceEvents"]:
@@ -37,14 +38,21 @@ def plot_timeline(trace_path: str | os.PathLike, out_path: str | os.PathLike) ->
         lane = len(names) - 1 - e["pid"]
         height = 0.25 if e.get("cat") == "rpc_message" else 0.6
         color = "tab:red" if e.get("cat") == "rpc_message" else "tab:blue"
-        ax.broken_barh([(e["ts"] / 1000, max(e.get("dur", 0) / 1000, 0.002))],
-                       (lane - height / 2, height), color=color, alpha=0.6)
+        ax.broken_barh(
+            [(e["ts"] / 1000, max(e.get("dur", 0) / 1000, 0.002))],
+            (lane - height / 2, height),
+            color=color,
+            alpha=0.6,
+        )
     for pair in flows.values():
         if "s" in pair and "f" in pair:
             s, f = pair["s"], pair["f"]
-            ax.annotate("", xy=(f["ts"] / 1000, len(names) - 1 - f["pid"]),
-                        xytext=(s["ts"] / 1000, len(names) - 1 - s["pid"]),
-                        arrowprops={"arrowstyle": "->", "color": "tab:gray", "lw": 0.6})
+            ax.annotate(
+                "",
+                xy=(f["ts"] / 1000, len(names) - 1 - f["pid"]),
+                xytext=(s["ts"] / 1000, len(names) - 1 - s["pid"]),
+                arrowprops={"arrowstyle": "->", "color": "tab:gray", "lw": 0.6},
+            )
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels(list(reversed([str(n) for n in names])))
     ax.set_xlabel("time (ms)")

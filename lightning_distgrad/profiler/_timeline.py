@@ -45,8 +45,9 @@ def clock_offsets(comm: MPI.Comm) -> list[tuple[float, float]] | None:
     return offsets if rank == 0 else None
 
 
-def merge_traces(gathered: list[tuple[dict, list]], offsets: list[tuple[float, float]],
-                 names: list[str]) -> dict:
+def merge_traces(
+    gathered: list[tuple[dict, list]], offsets: list[tuple[float, float]], names: list[str]
+) -> dict:
     """Every rank's ``(chrome trace, message log)`` as one trace: process ``r`` is worker
     ``r``, times in us since the earliest event, each matched message an arrow."""
     events: list[dict] = []
@@ -75,10 +76,20 @@ def merge_traces(gathered: list[tuple[dict, list]], offsets: list[tuple[float, f
     for rank, name in enumerate(names):
         events += [
             {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": name}},
-            {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0,
-             "args": {"sort_index": rank}},
-            {"ph": "M", "name": "thread_name", "pid": rank, "tid": MESSAGE_TID,
-             "args": {"name": "messages"}},
+            {
+                "ph": "M",
+                "name": "process_sort_index",
+                "pid": rank,
+                "tid": 0,
+                "args": {"sort_index": rank},
+            },
+            {
+                "ph": "M",
+                "name": "thread_name",
+                "pid": rank,
+                "tid": MESSAGE_TID,
+                "args": {"name": "messages"},
+            },
         ]
     return {
         "traceEvents": events,
@@ -93,8 +104,9 @@ def merge_traces(gathered: list[tuple[dict, list]], offsets: list[tuple[float, f
     }
 
 
-def _message_events(gathered: list[tuple[dict, list]],
-                    offsets: list[tuple[float, float]]) -> tuple[list[dict], int]:
+def _message_events(
+    gathered: list[tuple[dict, list]], offsets: list[tuple[float, float]]
+) -> tuple[list[dict], int]:
     """A short slice at each send and each receipt, and a flow arrow between them.
 
     A frame is named by (sender, receiver, tag) in both logs; tags repeat only after
@@ -121,25 +133,65 @@ def _message_events(gathered: list[tuple[dict, list]],
             at, clamped = sent_at, clamped + 1
         args = {"kind": kind, "bytes": nbytes, "from": src, "to": dst}
         events += [
-            {"ph": "X", "name": f"send {kind}", "cat": "rpc_message", "pid": src,
-             "tid": MESSAGE_TID, "ts": sent_at, "dur": 1.0, "args": args},
-            {"ph": "X", "name": f"receive {kind}", "cat": "rpc_message", "pid": dst,
-             "tid": MESSAGE_TID, "ts": at, "dur": 1.0, "args": args},
-            {"ph": "s", "name": kind, "cat": "rpc_message", "id": flow, "pid": src,
-             "tid": MESSAGE_TID, "ts": sent_at},
-            {"ph": "f", "bp": "e", "name": kind, "cat": "rpc_message", "id": flow, "pid": dst,
-             "tid": MESSAGE_TID, "ts": at},
+            {
+                "ph": "X",
+                "name": f"send {kind}",
+                "cat": "rpc_message",
+                "pid": src,
+                "tid": MESSAGE_TID,
+                "ts": sent_at,
+                "dur": 1.0,
+                "args": args,
+            },
+            {
+                "ph": "X",
+                "name": f"receive {kind}",
+                "cat": "rpc_message",
+                "pid": dst,
+                "tid": MESSAGE_TID,
+                "ts": at,
+                "dur": 1.0,
+                "args": args,
+            },
+            {
+                "ph": "s",
+                "name": kind,
+                "cat": "rpc_message",
+                "id": flow,
+                "pid": src,
+                "tid": MESSAGE_TID,
+                "ts": sent_at,
+            },
+            {
+                "ph": "f",
+                "bp": "e",
+                "name": kind,
+                "cat": "rpc_message",
+                "id": flow,
+                "pid": dst,
+                "tid": MESSAGE_TID,
+                "ts": at,
+            },
         ]
     return events, clamped
 
 
-def _span_events(gathered: list[tuple[dict, list]],
-                 offsets: list[tuple[float, float]]) -> list[dict]:
+def _span_events(
+    gathered: list[tuple[dict, list]], offsets: list[tuple[float, float]]
+) -> list[dict]:
     """The spans each rank logged, on the thread that ran them."""
     events = []
     for rank, (_, log) in enumerate(gathered):
         for _, start_ns, end_ns, name, tid in (e for e in log if e[0] == "span"):
-            events.append({"ph": "X", "name": name, "cat": "user_annotation", "pid": rank,
-                           "tid": tid, "ts": start_ns / 1000 - offsets[rank][0],
-                           "dur": (end_ns - start_ns) / 1000})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": name,
+                    "cat": "user_annotation",
+                    "pid": rank,
+                    "tid": tid,
+                    "ts": start_ns / 1000 - offsets[rank][0],
+                    "dur": (end_ns - start_ns) / 1000,
+                }
+            )
     return events

@@ -30,9 +30,23 @@ from .options import (
 from .rref import RRef
 
 __all__ = [
-    "init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info",
-    "get_rpc_timeout", "WorkerInfo", "RRef", "BackendType", "MPIRpcBackendOptions",
-    "TensorPipeRpcBackendOptions", "RpcBackendOptions", "functions", "UNSET_RPC_TIMEOUT",
-    "_set_rpc_timeout", "_get_current_rpc_agent", "_get_debug_info",
+    "init_rpc",
+    "shutdown",
+    "rpc_sync",
+    "rpc_async",
+    "remote",
+    "get_worker_info",
+    "get_rpc_timeout",
+    "WorkerInfo",
+    "RRef",
+    "BackendType",
+    "MPIRpcBackendOptions",
+    "TensorPipeRpcBackendOptions",
+    "RpcBackendOptions",
+    "functions",
+    "UNSET_RPC_TIMEOUT",
+    "_set_rpc_timeout",
+    "_get_current_rpc_agent",
+    "_get_debug_info",
     "_rref_context_get_debug_info",
 ]

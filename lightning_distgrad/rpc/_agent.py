@@ -80,9 +80,16 @@ def _decode_and_call(payload: bytes, tensors: list, route: str) -> tuple[Callabl
 class Agent:
     """One per process while RPC is initialised; owns the transport and the pools."""
 
-    def __init__(self, comm, infos: list[WorkerInfo], rank: int, timeout: float,
-                 num_worker_threads: int, on_arrival: Callable[[int, Frame], None],
-                 limits: FrameLimits):
+    def __init__(
+        self,
+        comm,
+        infos: list[WorkerInfo],
+        rank: int,
+        timeout: float,
+        num_worker_threads: int,
+        on_arrival: Callable[[int, Frame], None],
+        limits: FrameLimits,
+    ):
         self.infos = infos
         self.info = infos[rank]
         self.by_name = {w.name: w for w in infos}
@@ -104,11 +111,17 @@ class Agent:
         # User-visible futures complete here, so `then` callbacks never run on the
         # polling thread. More than one thread: a callback may wait for another
         # future of ours, whose completion must not queue behind it.
-        self._callbacks = ThreadPoolExecutor(num_worker_threads,
-                                             thread_name_prefix="distgrad-callbacks")
+        self._callbacks = ThreadPoolExecutor(
+            num_worker_threads, thread_name_prefix="distgrad-callbacks"
+        )
         transfer_timeout = timeout if timeout > 0 else 600.0
-        self.transport = Transport(comm, self._on_frame, self._on_malformed, limits=limits,
-                                   transfer_timeout=transfer_timeout)
+        self.transport = Transport(
+            comm,
+            self._on_frame,
+            self._on_malformed,
+            limits=limits,
+            transfer_timeout=transfer_timeout,
+        )
         self._deadlines = Deadlines(self.transport, self._pending, self._expire_call)
         # Not started here: see :meth:`start`.
 
@@ -119,9 +132,19 @@ class Agent:
 
     # -- sending ----------------------------------------------------------------
 
-    def call(self, dst: WorkerInfo, func: Callable, args: tuple, kwargs: dict,
-             timeout: float, *, user_visible: bool, force_autograd: bool,
-             arrival_forks: list | None = None, operator: bool = False) -> torch.futures.Future:
+    def call(
+        self,
+        dst: WorkerInfo,
+        func: Callable,
+        args: tuple,
+        kwargs: dict,
+        timeout: float,
+        *,
+        user_visible: bool,
+        force_autograd: bool,
+        arrival_forks: list | None = None,
+        operator: bool = False,
+    ) -> torch.futures.Future:
         """Send a request; returns the future of its response.
 
         ``operator``: ``func`` is a torch operator (no RPCs, no blocking).
@@ -144,12 +167,14 @@ class Agent:
             forks += tuple(arrival_forks)
         quick = operator and all(t.nbytes <= QUICK_LIMIT_BYTES for t in tensors)
         kind = Kind.QUICK_REQUEST if quick else Kind.REQUEST
-        self.transport.send(dst.id, Frame(kind, call_id, payload, (), meta, forks), tensors,
-                            devices)
+        self.transport.send(
+            dst.id, Frame(kind, call_id, payload, (), meta, forks), tensors, devices
+        )
         return future
 
-    def send_one_way(self, dst_id: int, kind: Kind, body: tuple,
-                     tensors: list[torch.Tensor] = ()) -> None:
+    def send_one_way(
+        self, dst_id: int, kind: Kind, body: tuple, tensors: list[torch.Tensor] = ()
+    ) -> None:
         """Send a one-way frame of a registered ``kind`` (see :func:`register_one_way`).
 
         For the library's own messages: ``body`` holds plain values (no tensors, no
@@ -178,10 +203,10 @@ class Agent:
         if all(t.is_cpu for t in tensors):
             return None
         me = self.info.id
-        device_map = (_devices.invert(self.device_maps[dst_id][me]) if reply
-                      else self.device_maps[me][dst_id])
-        return _devices.target_devices(tensors, device_map, self.info.name,
-                                       self.infos[dst_id].name)
+        device_map = (
+            _devices.invert(self.device_maps[dst_id][me]) if reply else self.device_maps[me][dst_id]
+        )
+        return _devices.target_devices(tensors, device_map, self.info.name, self.infos[dst_id].name)
 
     def _count_processed(self) -> None:
         with self._count_lock:
@@ -244,8 +269,7 @@ class Agent:
             return
         run = functools.partial(self._serve_one_way, spec.handler, source, body, tensors)
         me = threading.get_ident()
-        waiter = (self._waiters.get(spec.waiter_key(body)) if spec.waiter_key is not None
-                  else None)
+        waiter = self._waiters.get(spec.waiter_key(body)) if spec.waiter_key is not None else None
         if waiter is None:
             if self.transport.is_progress_thread(me):
                 run()
@@ -286,18 +310,34 @@ class Agent:
         frame = error.frame
         sender = self.infos[source].name if 0 <= source < len(self.infos) else "?"
         if frame is not None and frame.kind in CALL_KINDS and frame.call_id >= 0:
-            self._reply_error(source, frame.call_id, RuntimeError(
-                f"{self.info.name} could not read this request from {sender}: {error}"))
+            self._reply_error(
+                source,
+                frame.call_id,
+                RuntimeError(
+                    f"{self.info.name} could not read this request from {sender}: {error}"
+                ),
+            )
             return  # counted by the reply
         try:
-            pending = (self._pending.pop(frame.call_id, None)
-                       if frame is not None and frame.kind is Kind.RESPONSE else None)
+            pending = (
+                self._pending.pop(frame.call_id, None)
+                if frame is not None and frame.kind is Kind.RESPONSE
+                else None
+            )
             if pending is not None:
-                self._complete(pending, False, RuntimeError(
-                    f"the response from {sender} could not be read: {error}"))
+                self._complete(
+                    pending,
+                    False,
+                    RuntimeError(f"the response from {sender} could not be read: {error}"),
+                )
             else:
-                log.error("lightning_distgrad: %s dropped a malformed frame from rank %d "
-                          "(%s): %s", self.info.name, source, sender, error)
+                log.error(
+                    "lightning_distgrad: %s dropped a malformed frame from rank %d (%s): %s",
+                    self.info.name,
+                    source,
+                    sender,
+                    error,
+                )
         finally:
             self._count_processed()
 
@@ -316,8 +356,9 @@ class Agent:
                 tensors = _hooks.get().incoming(frame.body, source, tensors)
             if frame.payload is None:  # the result is the frame's one tensor
                 if len(tensors) != 1:
-                    raise RuntimeError(f"a tensor response from rank {source} carried "
-                                       f"{len(tensors)} tensors")
+                    raise RuntimeError(
+                        f"a tensor response from rank {source} carried {len(tensors)} tensors"
+                    )
                 ok, value = True, tensors[0]
             else:
                 ok, value = decode_payload(frame.payload, tensors)
@@ -355,8 +396,17 @@ class Agent:
         tensors = hooks.incoming(frame.body, source, tensors)
         # Grad mode is thread-local: a request runs with it on, as on a fresh
         # server thread, whichever thread handed its frame over.
-        return (ctx_id, *hooks.call_in(ctx_id, _hooks.with_grad, _decode_and_call,
-                                       frame.payload, tensors, self._route(source)))
+        return (
+            ctx_id,
+            *hooks.call_in(
+                ctx_id,
+                _hooks.with_grad,
+                _decode_and_call,
+                frame.payload,
+                tensors,
+                self._route(source),
+            ),
+        )
 
     def _run_request(self, source: int, frame: Frame, tensors: list) -> None:
         try:
@@ -371,16 +421,22 @@ class Agent:
         elif isinstance(result, torch._C.Future):
             result.add_done_callback(lambda f: self._reply_future(source, frame.call_id, f, ctx_id))
         else:
-            self._reply_error(source, frame.call_id, TypeError(
-                "Functions decorated with @rpc.async_function must return a "
-                f"torch.futures.Future object, but got {type(result)}"))
+            self._reply_error(
+                source,
+                frame.call_id,
+                TypeError(
+                    "Functions decorated with @rpc.async_function must return a "
+                    f"torch.futures.Future object, but got {type(result)}"
+                ),
+            )
 
     def _run_operator(self, source: int, frame: Frame, tensors: list) -> None:
         """A torch operator with no autograd context: :meth:`_run_request` minus the
         hooks (nothing to record, no context to switch: an operator makes no RPCs)."""
         try:
-            _, result = _hooks.with_grad(_decode_and_call, frame.payload, tensors,
-                                         self._route(source))
+            _, result = _hooks.with_grad(
+                _decode_and_call, frame.payload, tensors, self._route(source)
+            )
         except BaseException as e:
             self._reply_error(source, frame.call_id, e)
             return
@@ -418,8 +474,9 @@ class Agent:
         if pctx is not None:
             pctx.commit()
             forks = tuple(pctx.arrival_forks)
-        self.transport.send(dst, Frame(Kind.RESPONSE, call_id, payload, (), meta, forks),
-                            tensors, devices)
+        self.transport.send(
+            dst, Frame(Kind.RESPONSE, call_id, payload, (), meta, forks), tensors, devices
+        )
         self._count_processed()
 
     def _reply_error(self, dst: int, call_id: int, exc: BaseException) -> None:
@@ -478,8 +535,10 @@ class Agent:
 
     def debug_info(self) -> dict[str, Any]:
         """Pending calls, request handlers, and per-peer traffic (see ``rpc._get_debug_info``)."""
-        peers = {info.name: counts for info, counts in zip(self.infos, self.transport.traffic(),
-                                                            strict=True)}
+        peers = {
+            info.name: counts
+            for info, counts in zip(self.infos, self.transport.traffic(), strict=True)
+        }
         return {
             "num_pending_requests": len(self._pending),
             "num_handlers_running": self.transport.handlers_running() - self._queued,

@@ -113,11 +113,19 @@ def is_builtin(func: Any) -> bool:
         return False
 
 
-def invoke(to: Any, func: Callable, args: tuple | list | None, kwargs: dict | None,
-           timeout: float, *, user_visible: bool = True,
-           force_autograd: bool | None = None, arrival_forks: list | None = None,
-           profile: str | None = None, profiled_func: Callable | None = None,
-           ) -> torch.futures.Future:
+def invoke(
+    to: Any,
+    func: Callable,
+    args: tuple | list | None,
+    kwargs: dict | None,
+    timeout: float,
+    *,
+    user_visible: bool = True,
+    force_autograd: bool | None = None,
+    arrival_forks: list | None = None,
+    profile: str | None = None,
+    profiled_func: Callable | None = None,
+) -> torch.futures.Future:
     """Validate, then send one request; everything is checked before anything is sent.
 
     ``profile`` ("sync", "async", "remote"): under an active torch profiler the call is
@@ -136,14 +144,21 @@ def invoke(to: Any, func: Callable, args: tuple | list | None, kwargs: dict | No
         # Python functions always carry the context: their result may need
         # grad even when no argument does (torch's forceGradRecording).
         force_autograd = not operator
-    future = agent.call(dst, func, tuple(args or ()), dict(kwargs or {}), float(timeout),
-                        user_visible=user_visible, force_autograd=force_autograd,
-                        arrival_forks=arrival_forks, operator=operator)
+    future = agent.call(
+        dst,
+        func,
+        tuple(args or ()),
+        dict(kwargs or {}),
+        float(timeout),
+        user_visible=user_visible,
+        force_autograd=force_autograd,
+        arrival_forks=arrival_forks,
+        operator=operator,
+    )
     if profile is None or not recording():
         return future
     name = profiling_key(profile, profiled_func or func, f"{agent.info.name} -> {dst.name}")
     return span_until(name, future)
-
 
 
 def wait(future: torch.futures.Future) -> Any:

@@ -17,8 +17,9 @@ def invert(device_map: DeviceMap) -> DeviceMap:
     return {v: k for k, v in device_map.items()}
 
 
-def target_devices(tensors: list[torch.Tensor], device_map: DeviceMap | None,
-                   me: str, dst: str) -> list[str] | None:
+def target_devices(
+    tensors: list[torch.Tensor], device_map: DeviceMap | None, me: str, dst: str
+) -> list[str] | None:
     """The receiver-side device of each tensor; None when all are CPU tensors."""
     if all(t.is_cpu for t in tensors):
         return None
@@ -33,6 +34,7 @@ def target_devices(tensors: list[torch.Tensor], device_map: DeviceMap | None,
                 f"Cannot send a tensor on {t.device} from {me} to {dst}: no device map entry "
                 f"for it. RPC only sends CPU tensors by default; move the tensor to CPU, or call "
                 f"`options.set_device_map({dst!r}, {{{t.device.index}: <device on {dst}>}})` on "
-                "the MPIRpcBackendOptions passed to init_rpc.")
+                "the MPIRpcBackendOptions passed to init_rpc."
+            )
         devices.append(str(mapped))
     return devices

@@ -98,8 +98,9 @@ class Doorbell:
         self._slot = {r: BOARD_HEADER + i for i, r in enumerate(node_ranks)}
         self._own_slot = self._slot[rank]
         self._board_path = os.path.join(BOARD_DIR, f"lightning_distgrad-{token}")
-        self._board = _open_board(self._board_path, token, len(node_ranks),
-                                  create=rank == node_ranks[0])
+        self._board = _open_board(
+            self._board_path, token, len(node_ranks), create=rank == node_ranks[0]
+        )
         self._armed = 0  # this agent's armed threads (see arm)
         self._armed_lock = threading.Lock()
 

@@ -23,8 +23,9 @@ class AutogradHooks:
     def on_shutdown(self) -> None:
         """Called by ``shutdown`` after the agent stopped."""
 
-    def outgoing(self, dst_id: int, tensors: list[torch.Tensor], force: bool,
-                 ctx_id: int | None = None) -> Any:
+    def outgoing(
+        self, dst_id: int, tensors: list[torch.Tensor], force: bool, ctx_id: int | None = None
+    ) -> Any:
         """Record a send function for a message to ``dst_id``; returns its metadata or None.
 
         ``ctx_id`` is given for responses (the request's context) and None for

@@ -24,8 +24,14 @@ class OneWay(NamedTuple):
 HANDLERS: dict[Kind, OneWay] = {}
 
 
-def register_one_way(kind: Kind, body_type: type, handler: Callable[[int, Any, list], None], *,
-                     serve: bool = False, waiter_key: Callable[[Any], Any] | None = None) -> None:
+def register_one_way(
+    kind: Kind,
+    body_type: type,
+    handler: Callable[[int, Any, list], None],
+    *,
+    serve: bool = False,
+    waiter_key: Callable[[Any], Any] | None = None,
+) -> None:
     """Route frames of ``kind`` to ``handler(source, body, tensors)``.
 
     ``body_type`` is a NamedTuple; the body travels as a plain tuple and is rebuilt

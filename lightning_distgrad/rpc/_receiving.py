@@ -48,8 +48,9 @@ _COMPLETE = object()
 class Receiver:
     """Probes ``ctrl`` for frames and receives their tensors on ``data``."""
 
-    def __init__(self, ctrl: MPI.Comm, data: MPI.Comm, limits: FrameLimits,
-                 transfer_timeout: float):
+    def __init__(
+        self, ctrl: MPI.Comm, data: MPI.Comm, limits: FrameLimits, transfer_timeout: float
+    ):
         self.ctrl = ctrl
         # Per source rank: frames and bytes received (complete, or abandoned).
         self.received_from = [[0, 0] for _ in range(ctrl.Get_size())]
@@ -73,8 +74,10 @@ class Receiver:
 
     def frame_waiting(self) -> bool:
         # Twice: MPICH matches before it makes progress (see _poll_frames).
-        return bool(self.ctrl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
-                    or self.ctrl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG))
+        return bool(
+            self.ctrl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+            or self.ctrl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+        )
 
     def _poll_frames(self, ready: collections.deque) -> bool:
         status = self._status
@@ -102,8 +105,7 @@ class Receiver:
                 e.source = source
                 ready.append(e)
 
-    def _receive(self, source: int, tag: int, raw: bytearray,
-                 ready: collections.deque) -> None:
+    def _receive(self, source: int, tag: int, raw: bytearray, ready: collections.deque) -> None:
         if len(raw) > self.limits.max_message_bytes:
             raise MalformedFrame(f"a frame of {len(raw)} bytes is above max_message_bytes")
         frame = decode_frame(raw, self.limits)
@@ -128,8 +130,16 @@ class Receiver:
         # Frames from one source are handed over in the order they came: one whose
         # bytes are still arriving holds back the later ones.
         if requests or any(item.source == source for item in self.incoming):
-            self.incoming.append(_Incoming(source, frame, tensors, requests, sizes,
-                                           time.monotonic() + self.transfer_timeout))
+            self.incoming.append(
+                _Incoming(
+                    source,
+                    frame,
+                    tensors,
+                    requests,
+                    sizes,
+                    time.monotonic() + self.transfer_timeout,
+                )
+            )
         else:
             ready.append((source, frame, tensors))
 
@@ -163,8 +173,10 @@ class Receiver:
                 if now < item.deadline:
                     return None
                 self._abandon(item.requests)
-                return (f"its tensor bytes did not arrive within {self.transfer_timeout:g} s; "
-                        "the transfer was abandoned")
+                return (
+                    f"its tensor bytes did not arrive within {self.transfer_timeout:g} s; "
+                    "the transfer was abandoned"
+                )
         except MPI.Exception as e:
             self._abandon(item.requests)
             return f"its tensor bytes could not be received ({e.Get_error_string()})"

@@ -44,8 +44,14 @@ class _UserState:
 
     __slots__ = ("owner", "rref_id", "fork_id", "creation", "confirmed", "deleted", "type")
 
-    def __init__(self, owner: WorkerInfo, rref_id, fork_id, confirmed: bool,
-                 creation: torch.futures.Future | None = None):
+    def __init__(
+        self,
+        owner: WorkerInfo,
+        rref_id,
+        fork_id,
+        confirmed: bool,
+        creation: torch.futures.Future | None = None,
+    ):
         self.owner = owner
         self.rref_id = rref_id
         self.fork_id = fork_id
@@ -129,7 +135,8 @@ class RRefContext:
             if entry is None or fork_id not in entry.forks:
                 raise RuntimeError(
                     f"RRef {_guid_str(rref_id)} with fork {_guid_str(fork_id)} is unknown on its "
-                    "owner: it was deleted before it arrived")
+                    "owner: it was deleted before it arrived"
+                )
             entry.forks.discard(fork_id)
             if not entry.forks:
                 del self.owners[rref_id]

@@ -39,7 +39,8 @@ def graceful(agent: Agent, timeout: float, release_users) -> None:
         raise ShutdownTimeout(
             f"shutdown timed out after {timeout:g} s on {agent.info.name}: "
             f"{_names(agent, missing)} did not call shutdown (still busy, stuck or stopped). "
-            "This worker's agent is stopped; the job cannot finish normally.")
+            "This worker's agent is stopped; the job cannot finish normally."
+        )
     release_users()
     _wait_quiescent(agent, deadline, timeout)
 
@@ -73,14 +74,25 @@ def _wait_for_joins(agent: Agent, deadline: float | None) -> list[int]:
             if ping is not None and ping.done() and _failed(ping):
                 stopped.append(rank)
             elif ping is None or (ping.done() and now - sent >= _PING_EVERY_S):
-                pings[rank] = (now, agent.call(agent.infos[rank], torch.zeros, (0,), {},
-                                               agent.timeout, user_visible=False,
-                                               force_autograd=False, operator=True))
+                pings[rank] = (
+                    now,
+                    agent.call(
+                        agent.infos[rank],
+                        torch.zeros,
+                        (0,),
+                        {},
+                        agent.timeout,
+                        user_visible=False,
+                        force_autograd=False,
+                        operator=True,
+                    ),
+                )
         if stopped:
             abort_mpi_job(
                 f"lightning_distgrad: shutdown on {agent.info.name}: "
                 f"{_names(agent, stopped)} did not answer for {agent.timeout:g} s (the RPC "
-                "timeout) and never called shutdown; aborting the MPI job.\n")
+                "timeout) and never called shutdown; aborting the MPI job.\n"
+            )
 
 
 def _wait_quiescent(agent: Agent, deadline: float | None, timeout: float) -> None:
@@ -91,7 +103,8 @@ def _wait_quiescent(agent: Agent, deadline: float | None, timeout: float) -> Non
             if deadline is not None and time.monotonic() > deadline:
                 raise ShutdownTimeout(
                     f"shutdown timed out after {timeout:g} s on {agent.info.name} with "
-                    f"{agent.num_pending()} RPCs still pending")
+                    f"{agent.num_pending()} RPCs still pending"
+                )
             time.sleep(0.0005)
         if deadline is not None:
             limit = max(0.0, deadline - time.monotonic())
@@ -99,8 +112,10 @@ def _wait_quiescent(agent: Agent, deadline: float | None, timeout: float) -> Non
             limit = agent.timeout if agent.timeout > 0 else None
         totals = agent.transport.allreduce_sum(agent.counts(), limit)
         if totals is None:
-            message = (f"shutdown on {agent.info.name}: the workers stopped answering while "
-                       "the job drained its last messages")
+            message = (
+                f"shutdown on {agent.info.name}: the workers stopped answering while "
+                "the job drained its last messages"
+            )
             if deadline is not None:
                 raise ShutdownTimeout(f"{message} (timeout {timeout:g} s)")
             abort_mpi_job(f"lightning_distgrad: {message}; aborting the MPI job.\n")

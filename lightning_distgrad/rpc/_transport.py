@@ -83,8 +83,12 @@ class State(enum.Enum):
 
 def _in_default_modes() -> bool:
     """Whether this thread's torch modes are those of a fresh thread."""
-    return (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-            and not torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda"))
+    return (
+        torch.is_grad_enabled()
+        and not torch.is_inference_mode_enabled()
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.is_autocast_enabled("cuda")
+    )
 
 
 @contextlib.contextmanager
@@ -109,14 +113,21 @@ class Transport:
     bounds how long tensor bytes may take to arrive after their frame.
     """
 
-    def __init__(self, comm: MPI.Comm, on_frame: Callable[[int, Frame, list], None],
-                 on_malformed: Callable[[int, MalformedFrame], None], *,
-                 limits: FrameLimits, transfer_timeout: float):
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        on_frame: Callable[[int, Frame, list], None],
+        on_malformed: Callable[[int, MalformedFrame], None],
+        *,
+        limits: FrameLimits,
+        transfer_timeout: float,
+    ):
         if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
             raise RuntimeError(
                 "lightning_distgrad needs MPI initialised with MPI_THREAD_SERIALIZED or "
                 f"higher (got level {MPI.Query_thread()}); do not lower "
-                "mpi4py.rc.thread_level (its default, 'multiple', works)")
+                "mpi4py.rc.thread_level (its default, 'multiple', works)"
+            )
         self.ctrl = comm.Dup()
         self.data = comm.Dup()
         self.coll = comm.Dup()
@@ -151,8 +162,9 @@ class Transport:
         self._timer_seq = 0
         self._last_traffic = time.monotonic()
         self._stop_deadline = float("inf")
-        self._thread = threading.Thread(target=self._progress_thread, daemon=True,
-                                        name="distgrad-progress")
+        self._thread = threading.Thread(
+            target=self._progress_thread, daemon=True, name="distgrad-progress"
+        )
 
     def start(self) -> None:
         """Start the progress thread (once the owner is ready for ``on_frame``)."""
@@ -160,8 +172,9 @@ class Transport:
 
     # -- called from any thread -------------------------------------------------
 
-    def send(self, dst: int, frame: Frame, tensors: list[torch.Tensor],
-             devices: list[str] | None = None) -> None:
+    def send(
+        self, dst: int, frame: Frame, tensors: list[torch.Tensor], devices: list[str] | None = None
+    ) -> None:
         """Send ``frame`` (whose ``metas`` get filled here) and its tensors to ``dst``.
 
         ``devices`` gives each tensor's device on the receiver (default: CPU).
@@ -175,8 +188,9 @@ class Transport:
                 buffers.append(data)
         self.send_raw(dst, frame.dumps(tuple(metas)), buffers, frame.kind.name)
 
-    def send_raw(self, dst: int, raw: bytes, buffers: list[torch.Tensor] = (),
-                 kind: str = "raw") -> None:
+    def send_raw(
+        self, dst: int, raw: bytes, buffers: list[torch.Tensor] = (), kind: str = "raw"
+    ) -> None:
         """Post encoded frame bytes, then each buffer's bytes, to ``dst`` (in order)."""
         with self._lock:
             seq = self._send_seq[dst]
@@ -234,9 +248,15 @@ class Transport:
     def traffic(self) -> list[dict[str, int]]:
         """Per peer rank: frames and bytes sent to it and received from it so far."""
         with self._lock:
-            return [{"messages_sent": s[0], "bytes_sent": s[1],
-                     "messages_received": r[0], "bytes_received": r[1]}
-                    for s, r in zip(self._sent_to, self._receiver.received_from, strict=True)]
+            return [
+                {
+                    "messages_sent": s[0],
+                    "bytes_sent": s[1],
+                    "messages_received": r[0],
+                    "bytes_received": r[1],
+                }
+                for s, r in zip(self._sent_to, self._receiver.received_from, strict=True)
+            ]
 
     def is_progress_thread(self, ident: int) -> bool:
         return ident == self._thread.ident
@@ -317,15 +337,18 @@ class Transport:
             # Only a fault of MPI or of this module gets here (frames' own errors are
             # caught): a dead poller would leave every rank waiting, so fail-stop.
             traceback.print_exc()
-            abort_mpi_job(f"lightning_distgrad: RPC progress thread failed on rank "
-                          f"{self.rank}; aborting the MPI job.\n")
+            abort_mpi_job(
+                f"lightning_distgrad: RPC progress thread failed on rank "
+                f"{self.rank}; aborting the MPI job.\n"
+            )
 
     def _poll_loop(self) -> None:
         backoff = Backoff(self._bell, self._poll_and_run, QUIET_NAP_S)
         while True:
             with self._lock:
                 if self._state is State.STOPPING and (
-                        not self._sends or time.monotonic() > self._stop_deadline):
+                    not self._sends or time.monotonic() > self._stop_deadline
+                ):
                     self._state = State.STOPPED
                     break
                 stepped_aside = self._poller is Poller.WAITER
@@ -373,9 +396,14 @@ class Transport:
             if not self._armed_for_hand_back:
                 self._armed_for_hand_back = True
                 self._bell.arm()
-            pending = bool(self._sends or self._receiver.incoming or self._ready or self._soon
-                           or (self._timers and self._timers[0][0] <= time.monotonic())
-                           or self._receiver.frame_waiting())
+            pending = bool(
+                self._sends
+                or self._receiver.incoming
+                or self._ready
+                or self._soon
+                or (self._timers and self._timers[0][0] <= time.monotonic())
+                or self._receiver.frame_waiting()
+            )
         if pending:
             self._bell.ring_self()
         return left
@@ -394,9 +422,15 @@ class Transport:
         now = time.monotonic()
         with self._lock:
             idle_for = now - self._last_traffic
-            hot = self.spin and not self._handlers_running and (
-                idle_for < HOT_S or (self._receiver.incoming and idle_for < TRANSFER_HOT_S)
-                or (self._sends and idle_for < TRANSFER_HOT_S))
+            hot = (
+                self.spin
+                and not self._handlers_running
+                and (
+                    idle_for < HOT_S
+                    or (self._receiver.incoming and idle_for < TRANSFER_HOT_S)
+                    or (self._sends and idle_for < TRANSFER_HOT_S)
+                )
+            )
             limit = self._until_next_timer_locked(now)
         if hot:
             os.sched_yield()
@@ -455,8 +489,11 @@ class Transport:
         try:
             fn()
         except Exception:
-            log.error("lightning_distgrad: a message handler failed on rank %d:\n%s",
-                      self.rank, traceback.format_exc())
+            log.error(
+                "lightning_distgrad: a message handler failed on rank %d:\n%s",
+                self.rank,
+                traceback.format_exc(),
+            )
 
     def _deliver(self, source: int, frame: Frame, tensors: list) -> None:
         if any(meta[4] != "cpu" for meta in frame.metas):
@@ -479,6 +516,3 @@ class Transport:
 
     def _until_next_timer_locked(self, now: float) -> float:
         return max(0.0, self._timers[0][0] - now) if self._timers else float("inf")
-
-
-

@@ -24,9 +24,20 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["Kind", "Frame", "MalformedFrame", "FrameLimits", "decode_frame", "encode_payload",
-           "decode_payload", "tensor_bytes_view", "current_pickling_context", "prepare_tensor",
-           "allocate_tensor", "ReceiveBufferPool"]
+__all__ = [
+    "Kind",
+    "Frame",
+    "MalformedFrame",
+    "FrameLimits",
+    "decode_frame",
+    "encode_payload",
+    "decode_payload",
+    "tensor_bytes_view",
+    "current_pickling_context",
+    "prepare_tensor",
+    "allocate_tensor",
+    "ReceiveBufferPool",
+]
 
 #: Tensors up to this size travel inside the frame (saves one MPI message).
 INLINE_LIMIT = 64 * 1024
@@ -103,9 +114,17 @@ class Frame(NamedTuple):
 
     def dumps(self, metas: tuple | None = None) -> bytes:
         """The frame's bytes; ``metas`` replaces the tensor table's metadata if given."""
-        return pickle.dumps((int(self.kind), self.call_id, self.payload,
-                             self.metas if metas is None else metas, self.body, self.forks),
-                            _PROTOCOL)
+        return pickle.dumps(
+            (
+                int(self.kind),
+                self.call_id,
+                self.payload,
+                self.metas if metas is None else metas,
+                self.body,
+                self.forks,
+            ),
+            _PROTOCOL,
+        )
 
 
 class MalformedFrame(Exception):
@@ -170,7 +189,9 @@ def decode_frame(raw: bytes | bytearray, limits: FrameLimits) -> Frame:
         raise MalformedFrame(
             f"the message declares {_size(total)} in all, above this worker's "
             f"max_message_bytes ({_size(limits.max_message_bytes)}); raise it with "
-            "MPIRpcBackendOptions(max_message_bytes=...) on the receiver", frame)
+            "MPIRpcBackendOptions(max_message_bytes=...) on the receiver",
+            frame,
+        )
     return frame
 
 
@@ -192,17 +213,23 @@ def _meta_problem(meta: Any, limits: FrameLimits) -> str | None:
     if type(shape) is not tuple or not all(type(d) is int and d >= 0 for d in shape):
         return f"shape {shape!r} is not a tuple of non-negative ints"
     if type(nbytes) is not int or nbytes != math.prod(shape) * _ITEMSIZES[code]:
-        return (f"declares {nbytes!r} bytes for shape {shape} of {_DTYPES[code]} "
-                f"({math.prod(shape) * _ITEMSIZES[code]} expected)")
+        return (
+            f"declares {nbytes!r} bytes for shape {shape} of {_DTYPES[code]} "
+            f"({math.prod(shape) * _ITEMSIZES[code]} expected)"
+        )
     if nbytes > limits.max_message_bytes:
-        return (f"declares {_size(nbytes)}, above this worker's max_message_bytes "
-                f"({_size(limits.max_message_bytes)}); raise it with "
-                "MPIRpcBackendOptions(max_message_bytes=...) on the receiver")
+        return (
+            f"declares {_size(nbytes)}, above this worker's max_message_bytes "
+            f"({_size(limits.max_message_bytes)}); raise it with "
+            "MPIRpcBackendOptions(max_message_bytes=...) on the receiver"
+        )
     if inline is not None and (type(inline) not in (bytes, bytearray) or len(inline) != nbytes):
         return f"its inline bytes do not match the declared {nbytes} bytes"
     if type(device) is not str or device not in limits.devices:
-        return (f"it is mapped to device {device!r}, which this worker lacks "
-                f"(it has {sorted(limits.devices)}); fix the sender's device map")
+        return (
+            f"it is mapped to device {device!r}, which this worker lacks "
+            f"(it has {sorted(limits.devices)}); fix the sender's device map"
+        )
     return None
 
 
@@ -266,8 +293,7 @@ def encode_payload(obj: Any, dst_id: int) -> tuple[bytes, list[torch.Tensor], Pi
         if pid is None:
             tensors.append(o)
             index = len(tensors) - 1
-            pid = pids[id(o)] = index if kind is torch.Tensor else ("param", index,
-                                                                     o.requires_grad)
+            pid = pids[id(o)] = index if kind is torch.Tensor else ("param", index, o.requires_grad)
         return pid
 
     pickler = pickle.Pickler(buf, _PROTOCOL)
@@ -322,7 +348,7 @@ CHUNK_BYTES = 1 << 30
 def chunks(view: np.ndarray) -> Iterator[np.ndarray]:
     """``view`` in pieces of at most :data:`CHUNK_BYTES` (one MPI message each)."""
     for start in range(0, view.size, CHUNK_BYTES):
-        yield view[start:start + CHUNK_BYTES]
+        yield view[start : start + CHUNK_BYTES]
 
 
 def tensor_bytes_view(t: torch.Tensor) -> np.ndarray:
@@ -330,8 +356,9 @@ def tensor_bytes_view(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def prepare_tensor(t: torch.Tensor, device: str = "cpu",
-                   inline_limit: int = INLINE_LIMIT) -> tuple[tuple, Any]:
+def prepare_tensor(
+    t: torch.Tensor, device: str = "cpu", inline_limit: int = INLINE_LIMIT
+) -> tuple[tuple, Any]:
     """Describe ``t`` for the wire, to land on ``device`` at the receiver.
 
     Returns (meta, CPU tensor to send as a buffer, or None when inline); the
@@ -394,7 +421,7 @@ def _aligned_empty(nbytes: int, align: int = BUFFER_ALIGN) -> np.ndarray:
     """An uninitialised uint8 array whose data starts at a multiple of ``align``."""
     raw = np.empty(nbytes + align, dtype=np.uint8)  # numpy madvises huge pages
     start = -raw.ctypes.data % align
-    return raw[start:start + nbytes]
+    return raw[start : start + nbytes]
 
 
 def allocate_tensor(meta: tuple, pool: ReceiveBufferPool | None = None) -> torch.Tensor:

@@ -19,8 +19,17 @@ from ._core import UNSET_RPC_TIMEOUT
 from .options import BackendType, MPIRpcBackendOptions
 from .rref import RRef
 
-__all__ = ["init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info",
-           "get_rpc_timeout", "WorkerInfo", "RRef"]
+__all__ = [
+    "init_rpc",
+    "shutdown",
+    "rpc_sync",
+    "rpc_async",
+    "remote",
+    "get_worker_info",
+    "get_rpc_timeout",
+    "WorkerInfo",
+    "RRef",
+]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]*$")
 _exit_hook_installed = False
@@ -38,9 +47,13 @@ def _name_problem(name: Any) -> str | None:
     return None
 
 
-def init_rpc(name: str | None = None, backend: BackendType | None = None, rank: int = -1,
-             world_size: int | None = None,
-             rpc_backend_options: MPIRpcBackendOptions | None = None) -> None:
+def init_rpc(
+    name: str | None = None,
+    backend: BackendType | None = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: MPIRpcBackendOptions | None = None,
+) -> None:
     r"""Start the RPC agent on this rank; a collective over the communicator.
 
     Rank and world size come from MPI. Every rank raises the same error if any
@@ -83,11 +96,13 @@ def init_rpc(name: str | None = None, backend: BackendType | None = None, rank: 
         problems.append(f"rank={rank} was passed but MPI says this process is rank {my_rank}")
     if world_size is not None and world_size != size:
         problems.append(f"world_size={world_size} was passed but the MPI job has {size} ranks")
-    everyone = comm.allgather((name, problems, options.device_maps,
-                               (torch.__version__, _wire.DTYPE_TABLE)))
+    everyone = comm.allgather(
+        (name, problems, options.device_maps, (torch.__version__, _wire.DTYPE_TABLE))
+    )
     first_torch = everyone[0][3]
-    _raise_init_problems([(n, ps + _torch_problems(torch_build, first_torch))
-                          for n, ps, _, torch_build in everyone])
+    _raise_init_problems(
+        [(n, ps + _torch_problems(torch_build, first_torch)) for n, ps, _, torch_build in everyone]
+    )
     infos = [WorkerInfo(n, r) for r, (n, _, _, _) in enumerate(everyone)]
     rank_of = {info.name: info.id for info in infos}
     # Checked before the agent exists: raising later left a running agent behind.
@@ -98,9 +113,15 @@ def init_rpc(name: str | None = None, backend: BackendType | None = None, rank: 
     _hooks.get().on_init(my_rank)
     context = _rref_context.init_context(my_rank)
     limits = _wire.FrameLimits(options.max_message_bytes, _wire.local_devices())
-    agent = Agent(comm, infos, my_rank, options.rpc_timeout, options.num_worker_threads,
-                  on_arrival=lambda src, frame: context.add_arrival_forks(frame.forks),
-                  limits=limits)
+    agent = Agent(
+        comm,
+        infos,
+        my_rank,
+        options.rpc_timeout,
+        options.num_worker_threads,
+        on_arrival=lambda src, frame: context.add_arrival_forks(frame.forks),
+        limits=limits,
+    )
     for src, (_, _, maps, _) in enumerate(everyone):
         for dst_name, mapping in maps.items():
             agent.device_maps[src][rank_of[dst_name]] = mapping
@@ -114,8 +135,10 @@ def _torch_problems(torch_build: tuple, first: tuple) -> list[str]:
     """Frames name dtypes by their index in torch's dtype list: it must match rank 0's."""
     if torch_build[1] == first[1]:
         return []
-    return [f"its torch ({torch_build[0]}) has other dtypes than rank 0's ({first[0]}); "
-            "install the same torch version on every rank"]
+    return [
+        f"its torch ({torch_build[0]}) has other dtypes than rank 0's ({first[0]}); "
+        "install the same torch version on every rank"
+    ]
 
 
 def _raise_init_problems(everyone: list) -> None:
@@ -126,8 +149,11 @@ def _raise_init_problems(everyone: list) -> None:
             lines.append(f"  RPC worker name {n!r} is not unique: ranks {seen[n]} and {r} use it")
         seen.setdefault(n, r)
     if lines:
-        raise RuntimeError("init_rpc failed on every rank because:\n" + "\n".join(lines)
-                           + "\nFix the arguments and call init_rpc again.")
+        raise RuntimeError(
+            "init_rpc failed on every rank because:\n"
+            + "\n".join(lines)
+            + "\nFix the arguments and call init_rpc again."
+        )
 
 
 def _install_exit_hooks(size: int) -> None:
@@ -146,8 +172,10 @@ def _install_exit_hooks(size: int) -> None:
             if issubclass(exc_type, SystemExit):
                 return
             rank = MPI.COMM_WORLD.Get_rank()
-            abort_mpi_job(f"lightning_distgrad: uncaught {exc_type.__name__} on rank {rank}; "
-                          "aborting the MPI job so the other ranks do not wait forever.\n")
+            abort_mpi_job(
+                f"lightning_distgrad: uncaught {exc_type.__name__} on rank {rank}; "
+                "aborting the MPI job so the other ranks do not wait forever.\n"
+            )
 
         sys.excepthook = abort_job
 
@@ -189,8 +217,9 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             # As torch's: user RRefs go only once every worker is in shutdown. A worker
             # that calls it at once (a tutorial's trainer) still serves work that uses
             # them.
-            _shutdown.graceful(agent, timeout,
-                               lambda: _rref_context._require_context().delete_all_users(agent))
+            _shutdown.graceful(
+                agent, timeout, lambda: _rref_context._require_context().delete_all_users(agent)
+            )
             finished = True
     finally:
         _core.set_agent(None)
@@ -198,8 +227,13 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         _hooks.get().on_shutdown()
 
 
-def rpc_sync(to: str | int | WorkerInfo, func: Callable, args: tuple | None = None,
-             kwargs: dict | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+def rpc_sync(
+    to: str | int | WorkerInfo,
+    func: Callable,
+    args: tuple | None = None,
+    kwargs: dict | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Any:
     r"""Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
 
     Args:
@@ -223,13 +257,18 @@ def rpc_sync(to: str | int | WorkerInfo, func: Callable, args: tuple | None = No
         tensor([4., 4.])
         >>> rpc.shutdown()
     """
-    return _core.wait(_core.invoke(to, func, args, kwargs, timeout, user_visible=False,
-                                   profile="sync"))
+    return _core.wait(
+        _core.invoke(to, func, args, kwargs, timeout, user_visible=False, profile="sync")
+    )
 
 
-def rpc_async(to: str | int | WorkerInfo, func: Callable, args: tuple | None = None,
-              kwargs: dict | None = None,
-              timeout: float = UNSET_RPC_TIMEOUT) -> torch.futures.Future:
+def rpc_async(
+    to: str | int | WorkerInfo,
+    func: Callable,
+    args: tuple | None = None,
+    kwargs: dict | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> torch.futures.Future:
     r"""Like :func:`rpc_sync` but returns a ``torch.futures.Future`` at once.
 
     Callbacks added with ``then`` run on the agent's callback threads (or on
@@ -246,8 +285,13 @@ def rpc_async(to: str | int | WorkerInfo, func: Callable, args: tuple | None = N
     return _core.invoke(to, func, args, kwargs, timeout, user_visible=True, profile="async")
 
 
-def remote(to: str | int | WorkerInfo, func: Callable, args: tuple | None = None,
-           kwargs: dict | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> RRef:
+def remote(
+    to: str | int | WorkerInfo,
+    func: Callable,
+    args: tuple | None = None,
+    kwargs: dict | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> RRef:
     r"""Run ``func`` on ``to``, keep the result there and return an :class:`RRef` to it.
 
     Errors and timeouts surface at the next ``to_here()``.

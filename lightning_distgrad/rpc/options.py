@@ -10,8 +10,14 @@ import torch
 
 from ._core import check_timeout
 
-__all__ = ["BackendType", "MPIRpcBackendOptions", "TensorPipeRpcBackendOptions",
-           "RpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "DEFAULT_NUM_WORKER_THREADS"]
+__all__ = [
+    "BackendType",
+    "MPIRpcBackendOptions",
+    "TensorPipeRpcBackendOptions",
+    "RpcBackendOptions",
+    "DEFAULT_RPC_TIMEOUT_SEC",
+    "DEFAULT_NUM_WORKER_THREADS",
+]
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_NUM_WORKER_THREADS = 16
@@ -54,16 +60,26 @@ class MPIRpcBackendOptions:
         {device(type='cuda', index=0): device(type='cuda', index=1)}
     """
 
-    def __init__(self, *, num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
-                 rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC, comm: Any = None,
-                 device_maps: dict | None = None, devices: list | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 init_method: str | None = None, _transports: Any = None,
-                 _channels: Any = None):
+    def __init__(
+        self,
+        *,
+        num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
+        rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
+        comm: Any = None,
+        device_maps: dict | None = None,
+        devices: list | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        init_method: str | None = None,
+        _transports: Any = None,
+        _channels: Any = None,
+    ):
         if num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be at least 1, got {num_worker_threads}")
-        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or (
-                max_message_bytes < 1):
+        if (
+            isinstance(max_message_bytes, bool)
+            or not isinstance(max_message_bytes, int)
+            or (max_message_bytes < 1)
+        ):
             raise ValueError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
         self.max_message_bytes = max_message_bytes
         self.num_worker_threads = num_worker_threads
@@ -84,7 +100,8 @@ class MPIRpcBackendOptions:
                 if other_v == v and other_k != k:
                     raise ValueError(
                         f"`set_device_map` only supports 1-to-1 mapping, trying to map {other_k} "
-                        f"and {k} to {v}")
+                        f"and {k} to {v}"
+                    )
             mapping[k] = v
         self.device_maps[to] = mapping
 

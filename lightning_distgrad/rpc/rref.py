@@ -75,6 +75,7 @@ def _create_owner_value(rref_id, func: Callable, args: tuple, kwargs: dict) -> t
         return done
     # torch._C.Future: ``then()``/``collect_all()`` return the C base class.
     if is_async_function(func) and isinstance(result, torch._C.Future):
+
         def on_done(f: torch.futures.Future) -> None:
             try:
                 finish(f.wait())
@@ -137,8 +138,9 @@ class _Proxy:
             packed = (rref, name, args, kwargs)
             if mode == "remote":
                 return create_remote(rref.owner(), _invoke_on_rref, packed, None, timeout)
-            fut = _core.invoke(rref.owner(), _invoke_on_rref, packed, None, timeout,
-                               user_visible=mode == "async")
+            fut = _core.invoke(
+                rref.owner(), _invoke_on_rref, packed, None, timeout, user_visible=mode == "async"
+            )
             return _core.wait(fut) if mode == "sync" else fut
 
         return call
@@ -225,8 +227,10 @@ class RRef(Generic[T]):
     def __repr__(self) -> str:
         if self._user is None:
             return f"OwnerRRef({_guid_str(self._rref_id())})"
-        return (f"UserRRef(RRefId = {_guid_str(self._user.rref_id)}, "
-                f"ForkId = {_guid_str(self._user.fork_id)})")
+        return (
+            f"UserRRef(RRefId = {_guid_str(self._user.rref_id)}, "
+            f"ForkId = {_guid_str(self._user.fork_id)})"
+        )
 
     # -- values -----------------------------------------------------------------
 
@@ -237,7 +241,8 @@ class RRef(Generic[T]):
             raise RuntimeError(
                 f"For UserRRef(rref_id={_guid_str(self._user.rref_id)}, "
                 f"fork_id={_guid_str(self._user.fork_id)}), can't call localValue() on user "
-                f"{me}. Call it on owner {self._user.owner}")
+                f"{me}. Call it on owner {self._user.owner}"
+            )
         return self._entry.future.wait()
 
     def to_here(self, timeout: float = _core.UNSET_RPC_TIMEOUT) -> T:
@@ -251,12 +256,22 @@ class RRef(Generic[T]):
             return self._entry.future.wait()
         if self._user.deleted:
             raise RuntimeError(
-                f"{self} has been deleted. Cannot call to_here() on it after deletion.")
+                f"{self} has been deleted. Cannot call to_here() on it after deletion."
+            )
         # The creation's answer first: a creation that failed before it ran (its
         # request could not be read on the owner) leaves nothing there to fetch.
         self._raise_if_creation_failed(timeout)
-        value = _core.wait(_core.invoke(self._user.owner, _rref_fetch, (self._user.rref_id,),
-                                        None, timeout, user_visible=False, profile="sync"))
+        value = _core.wait(
+            _core.invoke(
+                self._user.owner,
+                _rref_fetch,
+                (self._user.rref_id,),
+                None,
+                timeout,
+                user_visible=False,
+                profile="sync",
+            )
+        )
         self._user.confirmed = True
         return value
 
@@ -277,7 +292,8 @@ class RRef(Generic[T]):
                 raise RuntimeError(
                     "RRef creation via rpc.remote() timed out, and it is possible that the "
                     f"RRef on the owner node does not exist. (owner: {owner.name}, "
-                    f"rank {owner.id})") from e
+                    f"rank {owner.id})"
+                ) from e
             raise
 
     def _get_future(self) -> torch.futures.Future:
@@ -293,9 +309,16 @@ class RRef(Generic[T]):
         if self._user is None:
             return type(self._entry.future.wait())
         if self._user.type is None:
-            self._user.type = _core.wait(_core.invoke(
-                self._user.owner, _rref_type, (self._user.rref_id,), None, timeout,
-                user_visible=False))
+            self._user.type = _core.wait(
+                _core.invoke(
+                    self._user.owner,
+                    _rref_type,
+                    (self._user.rref_id,),
+                    None,
+                    timeout,
+                    user_visible=False,
+                )
+            )
         return self._user.type
 
     # -- proxies ----------------------------------------------------------------
@@ -324,9 +347,16 @@ class RRef(Generic[T]):
         if self._user is not None:
             if dist_autograd_ctx_id == -1:
                 raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
-            _core.wait(_core.invoke(self._user.owner, _rref_backward,
-                                    (self, dist_autograd_ctx_id, retain_graph), None,
-                                    _core.UNSET_RPC_TIMEOUT, user_visible=False))
+            _core.wait(
+                _core.invoke(
+                    self._user.owner,
+                    _rref_backward,
+                    (self, dist_autograd_ctx_id, retain_graph),
+                    None,
+                    _core.UNSET_RPC_TIMEOUT,
+                    user_visible=False,
+                )
+            )
             return
         value = self._entry.future.wait()
         if not isinstance(value, torch.Tensor):
@@ -342,7 +372,8 @@ class RRef(Generic[T]):
         pctx = current_pickling_context()
         if pctx is None:
             raise RuntimeError(
-                "Can not pickle rref in python pickler, rref can only be pickled when using RPC")
+                "Can not pickle rref in python pickler, rref can only be pickled when using RPC"
+            )
         agent = _core.require_agent()
         context = _require_context()
         fork_id = context.new_guid()
@@ -361,8 +392,10 @@ class RRef(Generic[T]):
             pctx.arrival_forks.append((rref_id, fork_id))
         else:
             pctx.on_send.append(
-                lambda: agent.send_one_way(owner.id, Kind.RREF_FORK,
-                                           ForkChange(rref_id, fork_id, True)))
+                lambda: agent.send_one_way(
+                    owner.id, Kind.RREF_FORK, ForkChange(rref_id, fork_id, True)
+                )
+            )
         return (_rebuild_rref, (owner, rref_id, fork_id, False))
 
     def _delete(self, agent, soon: bool = False) -> None:
@@ -372,8 +405,12 @@ class RRef(Generic[T]):
         if state is None or state.deleted:
             return
         state.deleted = True
-        send = functools.partial(agent.send_one_way, state.owner.id, Kind.RREF_FORK,
-                                 ForkChange(state.rref_id, state.fork_id, False))
+        send = functools.partial(
+            agent.send_one_way,
+            state.owner.id,
+            Kind.RREF_FORK,
+            ForkChange(state.rref_id, state.fork_id, False),
+        )
         if soon:
             agent.transport.call_soon(send)
         else:
@@ -406,12 +443,29 @@ def create_remote(to: Any, func: Callable, args, kwargs, timeout: float) -> RRef
     force = not _core.is_builtin(func)
     if dst.id == agent.info.id:
         entry = context.new_entry(rref_id)
-        creation = _core.invoke(dst, _create_owner_value, packed, None, timeout,
-                                user_visible=False, force_autograd=force, profile="remote",
-                                profiled_func=func)
+        creation = _core.invoke(
+            dst,
+            _create_owner_value,
+            packed,
+            None,
+            timeout,
+            user_visible=False,
+            force_autograd=force,
+            profile="remote",
+            profiled_func=func,
+        )
         return RRef._from_entry(entry, creation)
     fork_id = context.new_guid()
-    creation = _core.invoke(dst, _create_owner_value, packed, None, timeout, user_visible=False,
-                            force_autograd=force, arrival_forks=[(rref_id, fork_id)],
-                            profile="remote", profiled_func=func)
+    creation = _core.invoke(
+        dst,
+        _create_owner_value,
+        packed,
+        None,
+        timeout,
+        user_visible=False,
+        force_autograd=force,
+        arrival_forks=[(rref_id, fork_id)],
+        profile="remote",
+        profiled_func=func,
+    )
     return RRef._from_user(_UserState(dst, rref_id, fork_id, False, creation))

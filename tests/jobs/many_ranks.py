@@ -47,8 +47,10 @@ def wait_until(predicate: Callable[[], bool], timeout: float = SETTLE_S) -> bool
 
 def all_to_all(rank: int, world: int) -> None:
     """Every rank calls every rank (itself too) at once."""
-    futures = [rpc.rpc_async(peer, remote.add_rank, (torch.full((2,), float(rank)),))
-               for peer in range(world)]
+    futures = [
+        rpc.rpc_async(peer, remote.add_rank, (torch.full((2,), float(rank)),))
+        for peer in range(world)
+    ]
     for peer, future in enumerate(futures):
         got = future.wait()
         assert torch.equal(got, torch.full((2,), float(rank + peer))), (peer, got)
@@ -62,8 +64,7 @@ def rrefs_handed_around(rank: int, world: int) -> None:
     assert rref.owner().id == owner and not rref.is_owner()
     at_holder, at_last = rpc.rpc_sync(holder, remote.fetch_and_forward, (rref, last))
     expected = torch.tensor([rank, owner])
-    assert torch.equal(at_holder, expected) and torch.equal(at_last, expected), (
-        at_holder, at_last)
+    assert torch.equal(at_holder, expected) and torch.equal(at_last, expected), (at_holder, at_last)
     assert torch.equal(rref.to_here(), expected)
 
 
@@ -92,8 +93,10 @@ def optimizer_over_every_rank(world: int) -> None:
     optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=LR)
     scales = [1.0 + r / world for r in range(world)]
     with dist_autograd.context() as context_id:
-        terms = [rpc.rpc_async(p.owner(), remote.parameter_loss, (p, s))
-                 for p, s in zip(params, scales, strict=True)]
+        terms = [
+            rpc.rpc_async(p.owner(), remote.parameter_loss, (p, s))
+            for p, s in zip(params, scales, strict=True)
+        ]
         loss = torch.stack([t.wait() for t in terms]).sum()
         dist_autograd.backward(context_id, [loss])
         optimizer.step(context_id)
@@ -109,9 +112,11 @@ def optimizer_over_every_rank(world: int) -> None:
 def leftovers() -> dict[str, int]:
     """What this rank still holds that cleanup must have released."""
     rref_info = rpc._get_debug_info()
-    return {"contexts": dist_autograd._get_debug_info()["num_autograd_contexts"],
-            "owner_rrefs": rref_info["num_owner_rrefs"],
-            "pending_requests": rref_info["num_pending_requests"]}
+    return {
+        "contexts": dist_autograd._get_debug_info()["num_autograd_contexts"],
+        "owner_rrefs": rref_info["num_owner_rrefs"],
+        "pending_requests": rref_info["num_pending_requests"],
+    }
 
 
 def main() -> None:
@@ -131,7 +136,8 @@ def main() -> None:
     left = comm.allgather(leftovers())
     polite_barrier(comm)  # nobody shuts down while another still reads its counts
     assert settled and not any(any(v.values()) for v in left), (
-        f"left after cleanup, by rank: {dict(enumerate(left))}")
+        f"left after cleanup, by rank: {dict(enumerate(left))}"
+    )
     rpc.shutdown()
     comm.Free()
     print(f"MANY_RANKS_OK {rank}", flush=True)

@@ -88,9 +88,14 @@ def environment_facts() -> dict[str, Any]:
     """The cluster environment's view of this rank (collectives on first use)."""
     env = MPIClusterEnvironment()
     env.validate_settings(num_devices=env.local_world_size, num_nodes=env.num_nodes)
-    return {"local_rank": env.local_rank(), "node_rank": env.node_rank(),
-            "world_size": env.world_size(), "local_world_size": env.local_world_size,
-            "num_nodes": env.num_nodes, "main_address": env.main_address}
+    return {
+        "local_rank": env.local_rank(),
+        "node_rank": env.node_rank(),
+        "world_size": env.world_size(),
+        "local_world_size": env.local_world_size,
+        "num_nodes": env.num_nodes,
+        "main_address": env.main_address,
+    }
 
 
 def gpu_index(server_ranks: list[int]) -> str:
@@ -111,8 +116,12 @@ def rpc_facts(world: MPI.Comm) -> dict[str, Any]:
     rpc.init_rpc()
     names = [rpc.rpc_sync(peer, socket.gethostname) for peer in range(world.Get_size())]
     bell = _core.require_agent().transport._bell
-    facts = {"peer_hosts": names, "agent_bell_peers": sorted(getattr(bell, "_peers", {})),
-             "agent_has_board": bell.has_board(), "boards_with_rpc": board_files()}
+    facts = {
+        "peer_hosts": names,
+        "agent_bell_peers": sorted(getattr(bell, "_peers", {})),
+        "agent_has_board": bell.has_board(),
+        "boards_with_rpc": board_files(),
+    }
     rpc.shutdown()
     facts["boards_after_rpc"] = board_files()
     return facts
@@ -138,8 +147,10 @@ def main() -> None:
     world = MPI.COMM_WORLD
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     facts: dict[str, Any] = {
-        "rank": world.Get_rank(), "host": socket.gethostname(),
-        "node_size": node.Get_size(), "node_ranks": node.allgather(world.Get_rank()),
+        "rank": world.Get_rank(),
+        "host": socket.gethostname(),
+        "node_size": node.Get_size(),
+        "node_ranks": node.allgather(world.Get_rank()),
         "markers_seen": visible_markers(world, node),
     }
     node.Free()
