@@ -315,9 +315,8 @@ def time_floor(comm: MPI.Comm, plan) -> dict:
     optimistic where it can be: every message is one ``Isend``/``Irecv`` per tensor
     between buffers allocated once (page-aligned, so MPI's single-copy path runs at full
     speed), and the kernels are one local fwd+bwd of the same graph. Each tensor has a
-    buffer of its own, as in the iteration, where they coexist (saved for the backward).
-    (Until session 12 three buffers served every message, each in turn sent and received
-    into: that moved the 44 MiB at 4-5.5 GB/s, one buffer per tensor at 10-12 GB/s.)
+    buffer of its own, as in the iteration, where they coexist (saved for the backward):
+    buffers shared between messages would move the bytes far slower than the iteration does.
     """
     # The receive buffers' allocator of our transport: page-aligned numpy arrays.
     from lightning_distgrad.rpc._wire import _aligned_empty

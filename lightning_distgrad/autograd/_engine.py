@@ -314,6 +314,20 @@ def decode_gradients(layout: list, tensors: list) -> list[tuple[int, list | None
     return items
 
 
+def send_gradients(
+    agent,
+    peer: int,
+    p: Pass,
+    items: list[tuple[int, list | None]],
+    credit: Credit,
+    report: tuple | None,
+) -> None:
+    """One GRADIENTS frame to ``peer`` for ``(message id, gradients)`` items of pass ``p``."""
+    layout, tensors = encode_gradients(items)
+    body = Gradients(p.ctx._context_id(), layout, p.retain_graph, p.pass_id, credit, report)
+    agent.send_one_way(peer, Kind.GRADIENTS, body, tensors)
+
+
 def _ship(p: Pass, messages: list[tuple[int, list]], credit: Credit) -> None:
     """Send gradient messages, splitting ``credit`` among them; return the rest to the root.
 
@@ -332,14 +346,8 @@ def _ship(p: Pass, messages: list[tuple[int, list]], credit: Credit) -> None:
     agent = _core.require_agent()
     for peer, items in messages:
         carried = report if peer == root else None
-        layout, tensors = encode_gradients(items)
         try:
-            agent.send_one_way(
-                peer,
-                Kind.GRADIENTS,
-                Gradients(context_id, layout, p.retain_graph, p.pass_id, share, carried),
-                tensors,
-            )
+            send_gradients(agent, peer, p, items, share, carried)
         except Exception as e:  # never sent: its credit and report come back here
             kept = add_credit(kept, share)
             error = error or _wrap_error(me, e).with_traceback(e.__traceback__)

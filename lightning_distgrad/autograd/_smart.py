@@ -21,10 +21,8 @@ send waits.
 from __future__ import annotations
 
 from ..rpc import _core
-from ..rpc._wire import Kind
 from . import _engine
 from ._credit import ALL_CREDIT, split_credit
-from ._messages import Gradients
 from ._pass import Pass
 
 
@@ -113,7 +111,6 @@ def probe_here(context_id: int, pass_id: tuple, retain_graph: bool) -> tuple[lis
 
 def _resolve(p: Pass, dead: dict[int, list[int]], me: int) -> None:
     """Deliver an all-absent gradient to every dead send, one message per worker."""
-    context_id = p.ctx._context_id()
     share, kept = split_credit(ALL_CREDIT, len(dead))
     p.return_credit(kept, None, None)
     agent = _core.require_agent()
@@ -127,13 +124,7 @@ def _resolve(p: Pass, dead: dict[int, list[int]], me: int) -> None:
             else:
                 _engine._ship(p, messages, share)
             continue
-        layout, tensors = _engine.encode_gradients(items)
         try:
-            agent.send_one_way(
-                worker,
-                Kind.GRADIENTS,
-                Gradients(context_id, layout, p.retain_graph, p.pass_id, share, None),
-                tensors,
-            )
+            _engine.send_gradients(agent, worker, p, items, share, None)
         except Exception as e:  # never sent: its credit comes back here
             p.return_credit(share, None, _engine._wrap_error(me, e))

@@ -441,21 +441,9 @@ def create_remote(to: Any, func: Callable, args, kwargs, timeout: float) -> RRef
     rref_id = context.new_guid()
     packed = (rref_id, func, tuple(args or ()), dict(kwargs or {}))
     force = not _core.is_builtin(func)
-    if dst.id == agent.info.id:
-        entry = context.new_entry(rref_id)
-        creation = _core.invoke(
-            dst,
-            _create_owner_value,
-            packed,
-            None,
-            timeout,
-            user_visible=False,
-            force_autograd=force,
-            profile="remote",
-            profiled_func=func,
-        )
-        return RRef._from_entry(entry, creation)
-    fork_id = context.new_guid()
+    local = dst.id == agent.info.id
+    entry = context.new_entry(rref_id) if local else None
+    fork_id = None if local else context.new_guid()
     creation = _core.invoke(
         dst,
         _create_owner_value,
@@ -464,8 +452,10 @@ def create_remote(to: Any, func: Callable, args, kwargs, timeout: float) -> RRef
         timeout,
         user_visible=False,
         force_autograd=force,
-        arrival_forks=[(rref_id, fork_id)],
+        arrival_forks=None if local else [(rref_id, fork_id)],
         profile="remote",
         profiled_func=func,
     )
+    if local:
+        return RRef._from_entry(entry, creation)
     return RRef._from_user(_UserState(dst, rref_id, fork_id, False, creation))
