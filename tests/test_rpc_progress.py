@@ -13,6 +13,7 @@ from _dist_utils import wait_until
 from mpi4py import MPI
 
 from lightning_distgrad.rpc import _doorbell
+from lightning_distgrad.rpc._calls import Waiter
 from lightning_distgrad.rpc._doorbell import Backoff, Doorbell, LocalBell
 from lightning_distgrad.rpc._transport import Transport
 from lightning_distgrad.rpc._wire import Frame, FrameLimits, Kind, local_devices
@@ -324,31 +325,35 @@ def test_a_nap_never_runs_past_the_next_timer():
 # Work handed to a waiting thread runs on that thread
 
 
-def test_work_handed_to_the_waiting_thread_runs_there_before_it_returns():
-    """While a thread polls in ``drive_until``, ``run_on_waiter`` hands it work (what
-    it waits for, delivered by another thread); work for a thread that does not poll
-    is refused, and nothing handed over is left behind when the waiter returns."""
-    transport = make_transport(MPI.COMM_SELF)
-    ran_on = []
+def test_work_handed_to_the_waiting_thread_runs_there_before_it_stops():
+    """Work handed to a waiter (served frames it waits for, delivered by another thread)
+    runs on the waiting thread, while it waits or as it stops waiting; none is left."""
+    waiter_thread_ran = []
+    waiter = None
     done = threading.Event()
 
     def handler() -> None:
-        ran_on.append(threading.current_thread().name)
+        waiter_thread_ran.append(threading.current_thread().name)
         done.set()
 
-    waiter = threading.Thread(
-        target=transport.drive_until, args=(done.is_set,), name="waiting-thread"
-    )
-    try:
-        waiter.start()
-        assert wait_until(lambda: transport._waiter == waiter.ident)
-        assert not transport.run_on_waiter(threading.get_ident(), handler)
-        assert transport.run_on_waiter(waiter.ident, handler)
-        waiter.join(60)
-        assert not waiter.is_alive()
-        assert ran_on == ["waiting-thread"]
-        assert transport._waiter is None and not transport._waiter_work
-        assert not transport.run_on_waiter(waiter.ident, handler)
-    finally:
-        done.set()
-        transport.free()
+    def wait() -> None:
+        nonlocal waiter
+        waiter = Waiter(threading.get_ident())
+        while True:  # as Agent.wait_done's check between polls
+            waiter.run_handed_over()
+            if done.is_set():
+                return
+            waiter.sleep(60)
+
+    thread = threading.Thread(target=wait, name="waiting-thread")
+    thread.start()
+    assert wait_until(lambda: waiter is not None)
+    waiter.hand_over(handler)
+    thread.join(60)
+    assert not thread.is_alive()
+    assert waiter_thread_ran == ["waiting-thread"]
+    waiter.hand_over(handler)  # after its last wait: run as it stops
+    waiter.run_handed_over()
+    assert waiter_thread_ran == ["waiting-thread", "MainThread"]
+    waiter.run_handed_over()
+    assert len(waiter_thread_ran) == 2

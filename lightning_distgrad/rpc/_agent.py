@@ -277,8 +277,8 @@ class Agent:
                 self._submit(run)
         elif waiter.ident == me:
             run()
-        elif not self.transport.run_on_waiter(waiter.ident, run):
-            waiter.hand_over(run)  # it runs once that thread waits (or stops waiting)
+        else:
+            waiter.hand_over(run)  # it runs while that thread waits (or as it stops)
 
     def _serve_one_way(self, handler: Callable, source: int, body: Any, tensors: list) -> None:
         # Outside any context and with grad on: it may run on a user's thread.

@@ -144,8 +144,6 @@ class Transport:
         self._lock = threading.Lock()
         self._state = State.RUNNING
         self._poller = Poller.PROGRESS_THREAD
-        self._waiter: int | None = None  # ident of the waiting thread that polls
-        self._waiter_work: collections.deque = collections.deque()  # run by that thread
         # The progress thread sleeps while a waiter polls: when the waiter leaves, the
         # bell is armed so that peers ring it for the next frame (see _hand_back).
         self._armed_for_hand_back = False
@@ -217,11 +215,10 @@ class Transport:
     def drive_until(self, done: Callable[[], bool]) -> bool:
         """Poll on this thread until ``done()``; False at once if another thread waits
         here already (then wait for the result some other way)."""
-        me = threading.get_ident()
         with self._lock:
             if self._poller is Poller.WAITER or self._state is not State.RUNNING:
                 return False
-            self._poller, self._waiter = Poller.WAITER, me
+            self._poller = Poller.WAITER
             self._disarm_hand_back()
         if not _in_default_modes():
             # Frames handled here (requests, received tensors, recorded autograd) belong
@@ -231,15 +228,6 @@ class Transport:
         else:
             self._drive(done)
         return True
-
-    def run_on_waiter(self, ident: int, fn: Callable[[], None]) -> bool:
-        """Run ``fn`` on thread ``ident`` if that thread polls in :meth:`drive_until`
-        (before it returns); False if it does not."""
-        with self._lock:
-            if self._waiter != ident:
-                return False
-            self._waiter_work.append(fn)
-            return True
 
     def frames_sent(self) -> int:
         with self._lock:
@@ -365,12 +353,9 @@ class Transport:
 
     def _drive(self, done: Callable[[], bool]) -> None:
         backoff = None if self.spin else Backoff(self._bell, self._poll_and_run, NAP_MAX_S)
-        work = self._waiter_work
         try:
             while not done():
                 progressed = self._poll_and_run()
-                while work:
-                    self._run(work.popleft())
                 if progressed:  # done() may be true now: check before yielding
                     if backoff is not None:
                         backoff.reset()
@@ -381,18 +366,14 @@ class Transport:
         finally:
             if backoff is not None:
                 backoff.reset()
-            left = self._hand_back()
-            for fn in left:  # handed to this waiter before it left: run them all the same
-                self._run(fn)
+            self._hand_back()
 
-    def _hand_back(self) -> list:
+    def _hand_back(self) -> None:
         """The waiter leaves: the progress thread polls again. Its bell is armed so that
         peers ring it, and rung now only if work is waiting (waking it for nothing, once
         per call, costs more than it saves)."""
         with self._lock:
-            self._poller, self._waiter = Poller.PROGRESS_THREAD, None
-            left = list(self._waiter_work)
-            self._waiter_work.clear()
+            self._poller = Poller.PROGRESS_THREAD
             if not self._armed_for_hand_back:
                 self._armed_for_hand_back = True
                 self._bell.arm()
@@ -406,7 +387,6 @@ class Transport:
             )
         if pending:
             self._bell.ring_self()
-        return left
 
     def _disarm_hand_back(self) -> None:
         """Under the lock: someone polls again, so peers need not ring for it."""
