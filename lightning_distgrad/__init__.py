@@ -2,7 +2,11 @@
 
 from typing import Any
 
-from . import autograd, rpc
+from . import (
+    _compat,  # noqa: F401  (first: checks the installed torch's version)
+    autograd,
+    rpc,
+)
 from ._register import register_strategy_with_lightning
 
 __all__ = ["rpc", "autograd", "DistAutogradStrategy", "MPIClusterEnvironment"]

@@ -5,19 +5,18 @@ engine hands the gradients its peer ships back straight to the send node's
 children. A *recv* node gives received tensors a ``grad_fn``; the engine stops
 native runs at it and ships the gradients it collected to the sender. Neither
 node is ever run by PyTorch's engine in a distributed pass, so both are
-torch's native error nodes (``torch._C._functions.DelayedError``): made in C++
-(2 instead of 4.7 us for a send node; a ``torch.autograd.Function`` spent the
-difference in Python), and a plain local ``.backward()`` that reaches one
-raises their message.
+torch's native error nodes (:data:`~lightning_distgrad._compat.DelayedError`):
+recording one, on every RPC that carries tensors requiring grad, runs no Python
+code of a ``torch.autograd.Function``, and a plain local ``.backward()`` that
+reaches one raises their message.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .._compat import DelayedError
 from ..rpc._hooks import with_grad
-
-_ErrorNode = torch._C._functions.DelayedError
 
 _SEND_MESSAGE = (
     "The send function of an RPC ran in a local backward pass; run the backward "
@@ -35,7 +34,7 @@ _ANCHOR = torch.empty(0, requires_grad=True)
 
 
 def _error_node_outputs(message: str, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    outs = with_grad(_ErrorNode(message, len(tensors)), *tensors)
+    outs = with_grad(DelayedError(message, len(tensors)), *tensors)
     return (outs,) if isinstance(outs, torch.Tensor) else outs  # one output comes bare
 
 

@@ -25,8 +25,9 @@ import threading
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, _engine_run_backward
+from torch.autograd.graph import GradientEdge
 
+from .._compat import engine_run_backward, num_node_inputs, tensor_hooks
 from ..rpc._errors import timeout_error
 from ._context import DistAutogradContext, sum_grads
 from ._credit import NO_CREDIT, Credit, add_credit, is_all_credit
@@ -45,7 +46,7 @@ def native_grad(
     gradients built by this engine; the native engine still validates every
     gradient's shape against the node it enters.
     """
-    return _engine_run_backward(
+    return engine_run_backward(
         tuple(outputs), tuple(grad_outputs), retain_graph, False, tuple(inputs), True, False
     )
 
@@ -345,7 +346,7 @@ class Pass:
                 "native engine."
             )
         slots = self.buffers.pop(node)
-        grads = node(*[slots.get(i) for i in range(len(node._input_metadata))])
+        grads = node(*[slots.get(i) for i in range(num_node_inputs(node))])
         if isinstance(grads, torch.Tensor):
             grads = (grads,)
         remaining = self.graph.remaining
@@ -366,7 +367,7 @@ class Pass:
 
     def _hold_hooks(self, leaf: Any) -> None:
         """Take ``leaf``'s hooks off until its gradient is complete (see _run_held_hooks)."""
-        hooks = getattr(leaf.variable, "_backward_hooks", None)
+        hooks = tensor_hooks(leaf.variable)
         if hooks and leaf not in self.held_hooks:
             self.held_hooks[leaf] = dict(hooks)
             hooks.clear()
@@ -396,7 +397,7 @@ class Pass:
         """Give a leaf its hooks back, and run them on its (now full) gradient."""
         hooks = self.held_hooks.pop(node, None)
         if hooks is not None:
-            node.variable._backward_hooks.update(hooks)
+            tensor_hooks(node.variable).update(hooks)
             if grad is not None:
                 for hook in hooks.values():
                     result = hook(grad)
@@ -442,7 +443,7 @@ class Pass:
 
     def close(self) -> None:
         for node, hooks in self.held_hooks.items():
-            node.variable._backward_hooks.update(hooks)
+            tensor_hooks(node.variable).update(hooks)
         self.held_hooks.clear()
 
     # -- credit (root only) -----------------------------------------------------------

@@ -10,6 +10,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from .. import rpc
+from .._compat import module_children
 from ..nn import RemoteModule
 from . import _remote
 from ._collectives import TrainerCollectives
@@ -29,12 +30,12 @@ def take_remote_modules(root: nn.Module) -> list[tuple[str, RemoteModule]]:
     """Every RemoteModule attribute of ``root``'s module tree, taken out of the tree.
 
     A RemoteModule raises on ``parameters()``, ``state_dict()`` and ``.to()`` (torch's API), and
-    so would every parent module. Moved from the parent's ``_modules`` to its ``__dict__``, it
+    so would every parent module. Moved from the parent's child modules to its ``__dict__``, it
     stays an attribute (``self.emb(x)`` works) but the tree walks skip it. Idempotent.
     """
     found: list[tuple[str, RemoteModule]] = []
     for prefix, module in root.named_modules():
-        for name, child in list(module._modules.items()):
+        for name, child in list(module_children(module).items()):
             if isinstance(child, RemoteModule):
                 if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
                     kind = type(module).__name__
@@ -44,7 +45,7 @@ def take_remote_modules(root: nn.Module) -> list[tuple[str, RemoteModule]]:
                         " HINT: keep RemoteModules as plain attributes of a module (self.emb ="
                         " ...) and call them from forward."
                     )
-                del module._modules[name]
+                del module_children(module)[name]
                 object.__setattr__(module, name, child)
         for name, value in vars(module).items():
             if isinstance(value, RemoteModule):

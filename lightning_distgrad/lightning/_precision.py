@@ -17,10 +17,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 if TYPE_CHECKING:
     from .strategy import DistAutogradStrategy
 
-__all__ = ["adopt_precision"]
+__all__ = ["DistGradClipping", "DistGradPrecision", "adopt_precision"]
 
 
-class _DistGradClipping:
+class DistGradClipping:
     """Routes Lightning's gradient clipping to the strategy (local and remote gradients)."""
 
     _strategy: DistAutogradStrategy
@@ -32,7 +32,7 @@ class _DistGradClipping:
         self._strategy.clip_gradients_by_value(optimizer, clip_val)
 
 
-class DistGradPrecision(_DistGradClipping, Precision):
+class DistGradPrecision(DistGradClipping, Precision):
     """``precision="32-true"`` under the distgrad strategy."""
 
     def __init__(self, strategy: DistAutogradStrategy) -> None:
@@ -40,7 +40,7 @@ class DistGradPrecision(_DistGradClipping, Precision):
         self._strategy = strategy
 
 
-class DistGradMixedPrecision(_DistGradClipping, MixedPrecision):
+class DistGradMixedPrecision(DistGradClipping, MixedPrecision):
     """``precision="bf16-mixed"`` under the distgrad strategy (autocast on the servers too)."""
 
     def __init__(self, device: str, strategy: DistAutogradStrategy) -> None:
@@ -50,7 +50,7 @@ class DistGradMixedPrecision(_DistGradClipping, MixedPrecision):
 
 def adopt_precision(plugin: Precision | None, strategy: DistAutogradStrategy) -> Precision | None:
     """The strategy's version of the plugin the Trainer chose; ValueError if unsupported."""
-    if plugin is None or isinstance(plugin, _DistGradClipping):
+    if plugin is None or isinstance(plugin, DistGradClipping):
         if plugin is not None:
             plugin._strategy = strategy
         return plugin

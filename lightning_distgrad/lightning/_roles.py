@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerStatus
 from typing_extensions import override
 
+from .._compat import Launcher
 from ._remote import StageReport, call_all, report_stage, stage_board
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def check_devices(
         )
 
 
-class RoleLauncher(_Launcher):
+class RoleLauncher(Launcher):
     """Runs a Trainer entry point on training ranks and the serve loop on serving ranks."""
 
     def __init__(self, strategy: DistAutogradStrategy) -> None:

@@ -57,7 +57,6 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -69,6 +68,7 @@ from typing_extensions import override
 
 from .. import autograd as dist_autograd
 from .. import rpc
+from .._compat import after_closure, optimizers_to_device
 from ..nn import RemoteModule, ReplicatedModule
 from ..optim import DistributedOptimizer
 from . import _remote
@@ -81,7 +81,7 @@ from ._model import (
     take_remote_modules,
     warn_backward_override,
 )
-from ._precision import DistGradPrecision, adopt_precision
+from ._precision import DistGradClipping, DistGradPrecision, adopt_precision
 from ._roles import RoleLauncher, Roles, check_devices, resolve_roles
 from .environment import MPIClusterEnvironment
 
@@ -227,6 +227,7 @@ class DistAutogradStrategy(ParallelStrategy):
             "device_maps": device_maps,
         }
         self._num_nodes = 1
+        self._role_launcher: RoleLauncher | None = None
         self._collectives: TrainerCollectives | None = None
         self._world: TrainerCollectives | None = None
         self._local_trainers: tuple[int, int] | None = None  # (local trainer rank, count)
@@ -337,13 +338,20 @@ class DistAutogradStrategy(ParallelStrategy):
     @property
     @override
     def precision_plugin(self) -> Precision:
-        if self._precision_plugin is None:
-            self._precision_plugin = DistGradPrecision(self)
-        return self._precision_plugin
+        plugin = ParallelStrategy.precision_plugin.fget(self)
+        if not isinstance(plugin, DistGradClipping):  # none set: Lightning's default, adopted
+            plugin = DistGradPrecision(self)
+            ParallelStrategy.precision_plugin.fset(self, plugin)
+        return plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = adopt_precision(plugin, self)
+        ParallelStrategy.precision_plugin.fset(self, adopt_precision(plugin, self))
+
+    @property
+    @override
+    def launcher(self) -> RoleLauncher | None:
+        return self._role_launcher
 
     def set_world_ranks(self) -> None:
         """Called by the Trainer's constructor on every rank: a collective the first time.
@@ -381,7 +389,7 @@ class DistAutogradStrategy(ParallelStrategy):
             self._require_layout()[1],
             self._num_nodes,
         )
-        self._launcher = RoleLauncher(self)
+        self._role_launcher = RoleLauncher(self)
 
     @override
     def setup_environment(self) -> None:
@@ -550,7 +558,7 @@ class DistAutogradStrategy(ParallelStrategy):
     ) -> Any:
         model = model or self.lightning_module
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         closure_result = closure()  # training_step, zero_grad and backward (automatic)
         try:
             if self._context_id is None:
@@ -558,7 +566,7 @@ class DistAutogradStrategy(ParallelStrategy):
                     "DistAutogradStrategy: optimizer.step() was called outside a training step."
                     " HINT: step optimizers inside training_step (manual optimisation)."
                 )
-            self.precision_plugin._after_closure(model, optimizer)  # hooks and clipping
+            after_closure(self.precision_plugin, model, optimizer)  # hooks and clipping
             optimizer.step(**kwargs)  # the local parameters, from `.grad`
             if self._updates_remote(optimizer):
                 self._push_hyperparameters(optimizer)
@@ -710,7 +718,7 @@ class DistAutogradStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
-        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         if self._dist_optimizer is None or not self.optimizers or raw is not self.optimizers[0]:
             return state
         remote = self._dist_optimizer.state_dict()
@@ -724,7 +732,7 @@ class DistAutogradStrategy(ParallelStrategy):
             state = dict(state)
             remote = state.pop(REMOTE_OPTIMIZER_STATES, None)
             optimizer.load_state_dict(state)
-            _optimizers_to_device([optimizer], self.root_device)
+            optimizers_to_device([optimizer], self.root_device)
             if index == 0 and self._dist_optimizer is not None:
                 self._load_remote_optimizer_state(remote)
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from .._compat import CFuture
 from . import _devices, _hooks
 from ._calls import Deadlines, Pending, UserFuture, Waiter, future_done
 from ._errors import (
@@ -416,9 +417,9 @@ class Agent:
             return
         if not is_async_function(func):
             self._reply(source, frame.call_id, True, result, ctx_id)
-        # torch._C.Future, not torch.futures.Future: ``then()`` and ``collect_all()``
-        # return the C base class, which async functions commonly return.
-        elif isinstance(result, torch._C.Future):
+        # CFuture: ``then()`` and ``collect_all()`` return the C base class, which async
+        # functions commonly return.
+        elif isinstance(result, CFuture):
             result.add_done_callback(lambda f: self._reply_future(source, frame.call_id, f, ctx_id))
         else:
             self._reply_error(

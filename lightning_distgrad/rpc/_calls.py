@@ -11,14 +11,11 @@ from typing import Any
 
 import torch
 
+from .._compat import future_done
 from ._transport import Transport
 
 # How often the polling thread looks for expired calls.
 TIMEOUT_CHECK_S = 0.01
-
-#: ``Future.done`` without torch's Python wrapper around it: a waiting thread checks it
-#: after every poll.
-future_done = torch._C.Future.done
 
 
 class UserFuture(torch.futures.Future):

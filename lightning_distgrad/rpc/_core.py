@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .._compat import find_builtin
 from ._agent import Agent, WorkerInfo
 from ._profiling import profiling_key, recording, span_until
 
@@ -108,7 +109,7 @@ def resolve(agent: Agent, to: Any) -> WorkerInfo:
 def is_builtin(func: Any) -> bool:
     """True for torch operators (``torch.add``), which torch RPC treats as builtins."""
     try:
-        return torch.jit._builtins._find_builtin(func) is not None
+        return find_builtin(func) is not None
     except Exception:
         return False
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .._compat import set_unwrap_func
+
 
 def timeout_error(timeout: float, dst: Any = None) -> RuntimeError:
     """torch's timeout error (ported code matches its leading text), naming the
@@ -68,7 +70,7 @@ def set_error(future: torch.futures.Future, exc: BaseException) -> None:
     C++ that Python's gc cannot see, keeping the caller's tensors and RRefs alive.
     ``exc``'s traceback must not reference ``future``.
     """
-    future._set_unwrap_func(_raise_copy)
+    set_unwrap_func(future, _raise_copy)
     future.set_result(exc)
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 #: Whether a torch profiler records on this process (a C call: cheap on every RPC).
-profiler_enabled = torch._C._autograd._profiler_enabled
+from .._compat import profiler_enabled
 
 
 def profiling_key(mode: str, func: Callable, route: str) -> str:

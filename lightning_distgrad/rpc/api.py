@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import re
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from mpi4py import MPI
 
+from .._compat import register_atexit
 from . import _core, _hooks, _rref_context, _shutdown, _wire
 from . import rref as _rref
 from ._abort import abort_mpi_job
@@ -163,7 +163,7 @@ def _install_exit_hooks(size: int) -> None:
     _exit_hook_installed = True
     # Runs before the interpreter joins thread pools (and before mpi4py's
     # MPI_Finalize), so peers still get their answers.
-    threading._register_atexit(_shutdown_at_exit)
+    register_atexit(_shutdown_at_exit)
     if size > 1:
         previous = sys.excepthook
 

@@ -31,6 +31,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from .._compat import CFuture
 from . import _core, _hooks
 from ._agent import WorkerInfo
 from ._errors import is_async_function, set_error, timeout_error
@@ -73,8 +74,8 @@ def _create_owner_value(rref_id, func: Callable, args: tuple, kwargs: dict) -> t
     except BaseException as e:
         finish(error=e)
         return done
-    # torch._C.Future: ``then()``/``collect_all()`` return the C base class.
-    if is_async_function(func) and isinstance(result, torch._C.Future):
+    # CFuture: ``then()``/``collect_all()`` return the C base class.
+    if is_async_function(func) and isinstance(result, CFuture):
 
         def on_done(f: torch.futures.Future) -> None:
             try:
