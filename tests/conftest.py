@@ -33,12 +33,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 
 import pytest
-
-#: Polling period of :func:`polite_barrier`.
-_BARRIER_POLL_S = 0.0002
 
 
 def _testing_mpi(config: pytest.Config) -> bool:
@@ -57,9 +53,9 @@ def polite_barrier(comm) -> None:
     MPICH spins inside blocking calls; with more ranks than cores (4 ranks on
     2 cores here) a spinning barrier steals the CPU the slower ranks need.
     """
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(_BARRIER_POLL_S)
+    from lightning_distgrad._mpi_wait import wait_all
+
+    wait_all(comm.Ibarrier())
 
 
 # ---------------------------------------------------------------------------

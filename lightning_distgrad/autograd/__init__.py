@@ -21,7 +21,7 @@ from ..rpc._one_way import register_one_way
 from ..rpc._profiling import recording, span
 from ..rpc._wire import Kind
 from . import _engine, _messages
-from ._context import DistAutogradContext
+from ._context import DistAutogradContext, check_context_id
 from ._engine import container
 from ._functions import record_recv, record_send
 from ._messages import ContextRelease
@@ -130,9 +130,7 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
         ...     dist_autograd.backward(context_id, [loss])
         ...     dist_autograd.get_gradients(context_id)[t1]
     """
-    ctx = container().retrieve(context_id)
-    with ctx.lock:
-        return dict(ctx.grads)
+    return container().retrieve(context_id).gradients()
 
 
 def _new_context() -> DistAutogradContext:
@@ -158,6 +156,20 @@ def _release_on_known_workers(ctx: DistAutogradContext | None, done: int | None 
 
 def _retrieve_context(context_id: int) -> DistAutogradContext:
     return container().retrieve(context_id)
+
+
+def _find_context(context_id: int) -> DistAutogradContext | None:
+    """This worker's context ``context_id``; None if none of its messages reached this
+    worker (or it was released here)."""
+    check_context_id(context_id)
+    return container().find(context_id)
+
+
+def _gradients_here(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """Like :func:`get_gradients`, but empty where the context never reached this worker
+    (an owner whose parameters got no gradient in it)."""
+    ctx = _find_context(context_id)
+    return {} if ctx is None else ctx.gradients()
 
 
 def _current_context() -> DistAutogradContext:

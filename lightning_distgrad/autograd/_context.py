@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -70,6 +71,26 @@ class DistAutogradContext:
     def _known_worker_ids(self) -> set[int]:
         with self.lock:
             return set(self.known_workers)
+
+    def gradients(self) -> dict[torch.Tensor, torch.Tensor]:
+        """A copy of this context's gradients on this worker, keyed by leaf tensor."""
+        with self.lock:
+            return dict(self.grads)
+
+    def map_gradients(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every gradient ``g`` of this context by ``fn(g)`` (under ``no_grad``)."""
+        with self.lock, torch.no_grad():
+            for leaf, grad in list(self.grads.items()):
+                self.grads[leaf] = fn(grad)
+
+    def set_gradients(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """Set each ``(leaf, gradient)``; a ``None`` gradient removes the leaf's."""
+        with self.lock:
+            for leaf, grad in pairs:
+                if grad is None:
+                    self.grads.pop(leaf, None)
+                else:
+                    self.grads[leaf] = grad
 
     def accumulate(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Add each ``(leaf, gradient)`` to the leaf's gradient in this context."""

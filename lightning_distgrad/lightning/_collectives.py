@@ -2,36 +2,26 @@
 
 The communicator holds the trainer ranks only: serving ranks never join Lightning's collectives.
 It is private to the strategy (a ``Split`` of the world, never the RPC agent's duplicates), so its
-traffic cannot match anyone else's. Every wait polls a non-blocking request and sleeps between
-polls: MPICH spins inside blocking calls, and with more ranks than cores a spinning rank steals
-the CPU that the ranks it waits for (and this rank's RPC progress thread) need.
+traffic cannot match anyone else's. Every wait polls a non-blocking request and naps between
+polls (``lightning_distgrad._mpi_wait``): a rank never spins while it waits.
 """
 
 from __future__ import annotations
 
 import pickle
-import time
 from typing import Any
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-__all__ = ["AllGather", "TrainerCollectives", "reduce_op_name", "wait"]
+from .._mpi_wait import wait_all
 
-_POLL_MIN_S = 0.00002
-_POLL_MAX_S = 0.001
+__all__ = ["AllGather", "TrainerCollectives", "reduce_op_name"]
+
 # Reductions that numpy/MPI cannot do in these dtypes run in float32 (then cast back).
 _UPCAST = (torch.bfloat16, torch.float16, torch.complex32)
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "product": MPI.PROD, "prod": MPI.PROD}
-
-
-def wait(request: MPI.Request) -> None:
-    """Wait for ``request`` with a doubling sleep (never a blocking, spinning MPI call)."""
-    delay = _POLL_MIN_S
-    while not request.Test():
-        time.sleep(delay)
-        delay = min(_POLL_MAX_S, delay * 2)
 
 
 def reduce_op_name(reduce_op: Any) -> str:
@@ -73,20 +63,20 @@ class TrainerCollectives:
 
     def barrier(self) -> None:
         if self.size > 1:
-            wait(self.comm.Ibarrier())
+            wait_all(self.comm.Ibarrier())
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self.size == 1:
             return obj
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == src else b""
         length = np.array([len(data)], dtype=np.int64)
-        wait(self.comm.Ibcast(length, root=src))
+        wait_all(self.comm.Ibcast(length, root=src))
         buf = (
             np.frombuffer(data, dtype=np.uint8).copy()
             if self.rank == src
             else (np.empty(int(length[0]), dtype=np.uint8))
         )
-        wait(self.comm.Ibcast(buf, root=src))
+        wait_all(self.comm.Ibcast(buf, root=src))
         return obj if self.rank == src else pickle.loads(buf.tobytes())
 
     def allgather_object(self, obj: Any) -> list[Any]:
@@ -103,17 +93,17 @@ class TrainerCollectives:
         mine = np.array([data.size], dtype=np.int64)
         lengths = np.empty(self.size, dtype=np.int64)
         if root is None:
-            wait(self.comm.Iallgather(mine, lengths))
+            wait_all(self.comm.Iallgather(mine, lengths))
         else:
-            wait(self.comm.Igather(mine, lengths if self.rank == root else None, root=root))
+            wait_all(self.comm.Igather(mine, lengths if self.rank == root else None, root=root))
         receiving = root is None or self.rank == root
         out = np.empty(int(lengths.sum()), dtype=np.uint8) if receiving else None
         displs = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if receiving else None
         recv = [out, (lengths, displs), MPI.BYTE] if receiving else None
         if root is None:
-            wait(self.comm.Iallgatherv(data, recv))
+            wait_all(self.comm.Iallgatherv(data, recv))
         else:
-            wait(self.comm.Igatherv(data, recv, root=root))
+            wait_all(self.comm.Igatherv(data, recv, root=root))
         if not receiving:
             return None
         return [
@@ -138,7 +128,7 @@ class TrainerCollectives:
         if self.size > 1:
             array = work.numpy()
             result = np.empty_like(array)
-            wait(self.comm.Iallreduce(array, result, op=_OPS["sum" if op == "mean" else op]))
+            wait_all(self.comm.Iallreduce(array, result, op=_OPS["sum" if op == "mean" else op]))
             work = torch.from_numpy(result)
         else:
             work = work.clone()
@@ -161,7 +151,7 @@ class TrainerCollectives:
         if self.size > 1:
             array = work.numpy()
             result = np.empty((self.size, *array.shape), dtype=array.dtype)
-            wait(self.comm.Iallgather(array, result))
+            wait_all(self.comm.Iallgather(array, result))
             work = torch.from_numpy(result)
         else:
             work = work.unsqueeze(0).clone()

@@ -4,14 +4,14 @@ Each handler is a small module-level function run on the owner: the gradient nor
 gradient scaling of gradient clipping (on the gradients that distributed autograd accumulated in
 a context there), hyper-parameter updates of the owner's local optimizers (LR schedulers), the
 end-of-stage reports that release a serving rank's serve loop, and the hand-over of a
-``RemoteModule`` shared by all trainers. Callers fan out with ``rpc_async`` and wait for all.
+``RemoteModule`` shared by all trainers. Callers fan out with ``rpc._core.call_all``.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -19,33 +19,10 @@ import torch
 from .. import autograd as dist_autograd
 from .. import rpc
 
-__all__ = ["call_all", "StageReport", "stage_board"]
-
-
-def call_all(calls: Iterable[tuple[Any, Any, tuple]]) -> list[Any]:
-    """Run ``(worker, func, args)`` calls concurrently; wait for all, then raise the first error."""
-    futures = [rpc.rpc_async(worker, func, args) for worker, func, args in calls]
-    results, errors = [], []
-    for future in futures:
-        try:
-            results.append(future.wait())
-        except Exception as e:  # noqa: PERF203 - every future must be waited for
-            errors.append(e)
-    if errors:
-        raise errors[0]
-    return results
+__all__ = ["StageReport", "stage_board"]
 
 
 # --- Gradients in a context, on the owner --------------------------------------------------------
-
-
-def _context_grads(context_id: int):
-    """The context's gradient dict and lock on this worker, or ``(None, None)`` if none arrived."""
-    try:
-        ctx = dist_autograd._retrieve_context(context_id)
-    except RuntimeError:
-        return None, None
-    return ctx.grads, ctx.lock
 
 
 def grad_sq_norm(context_ids: Sequence[int]) -> float:
@@ -53,12 +30,7 @@ def grad_sq_norm(context_ids: Sequence[int]) -> float:
     contexts: the squared norm of the update that the trainers' steps apply here together."""
     totals: dict[torch.Tensor, torch.Tensor] = {}  # tensors hash by identity
     for context_id in context_ids:
-        grads, lock = _context_grads(context_id)
-        if grads is None:
-            continue
-        with lock:
-            items = list(grads.items())
-        for leaf, grad in items:
+        for leaf, grad in dist_autograd._gradients_here(context_id).items():
             totals[leaf] = grad if leaf not in totals else totals[leaf] + grad
     return math.fsum(sq_norm(g) for g in totals.values())
 
@@ -71,22 +43,16 @@ def sq_norm(grad: torch.Tensor) -> float:
 
 def scale_grads(context_id: int, coef: float) -> None:
     """Multiply every gradient of ``context_id`` on this worker by ``coef``."""
-    grads, lock = _context_grads(context_id)
-    if grads is None:
-        return
-    with lock, torch.no_grad():
-        for leaf, grad in list(grads.items()):
-            grads[leaf] = grad * coef
+    ctx = dist_autograd._find_context(context_id)
+    if ctx is not None:
+        ctx.map_gradients(lambda grad: grad * coef)
 
 
 def clamp_grads(context_id: int, clip_value: float) -> None:
     """Clamp every gradient of ``context_id`` on this worker to ``[-clip_value, clip_value]``."""
-    grads, lock = _context_grads(context_id)
-    if grads is None:
-        return
-    with lock, torch.no_grad():
-        for leaf, grad in list(grads.items()):
-            grads[leaf] = _clamp(grad, clip_value)
+    ctx = dist_autograd._find_context(context_id)
+    if ctx is not None:
+        ctx.map_gradients(lambda grad: _clamp(grad, clip_value))
 
 
 def _clamp(grad: torch.Tensor, clip_value: float) -> torch.Tensor:

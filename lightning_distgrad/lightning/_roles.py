@@ -21,7 +21,8 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from typing_extensions import override
 
 from .._compat import Launcher
-from ._remote import StageReport, call_all, report_stage, stage_board
+from ..rpc._core import call_all
+from ._remote import StageReport, report_stage, stage_board
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer

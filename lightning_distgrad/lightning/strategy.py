@@ -71,6 +71,7 @@ from .. import rpc
 from .._compat import after_closure, optimizers_to_device
 from ..nn import RemoteModule, ReplicatedModule
 from ..optim import DistributedOptimizer
+from ..rpc._core import call_all
 from . import _remote
 from ._collectives import AllGather, TrainerCollectives, reduce_op_name
 from ._model import (
@@ -638,7 +639,7 @@ class DistAutogradStrategy(ParallelStrategy):
         hparams = hyperparameters(optimizer)
         if self._remote_hparams is not None and same_hyperparameters(hparams, self._remote_hparams):
             return
-        _remote.call_all(
+        call_all(
             [
                 (o.owner(), _remote.set_hyperparameters, (o, hparams))
                 for o in self._dist_optimizer.remote_optimizers
@@ -681,7 +682,7 @@ class DistAutogradStrategy(ParallelStrategy):
         total = None
         if self._collectives.rank == 0:
             total = math.fsum(
-                _remote.call_all(
+                call_all(
                     [
                         (server, _remote.grad_sq_norm, (context_ids,))
                         for server in self.roles.servers
@@ -692,7 +693,7 @@ class DistAutogradStrategy(ParallelStrategy):
 
     def _on_remote_owners(self, func: Callable, *args: Any) -> None:
         owners = {o.owner().id for o in self._dist_optimizer.remote_optimizers}
-        _remote.call_all([(owner, func, (self._context_id, *args)) for owner in sorted(owners)])
+        call_all([(owner, func, (self._context_id, *args)) for owner in sorted(owners)])
 
     # --- Checkpoints: remote parameters and remote optimizer state ---------------------------
 
@@ -821,7 +822,7 @@ class DistAutogradStrategy(ParallelStrategy):
         key = next(_shared_modules)
         if self._collectives.rank == 0:
             module = RemoteModule(remote_device, module_cls, args, kwargs)
-            _remote.call_all(
+            call_all(
                 [(rank, _remote.stash_shared, (key, module)) for rank in self.roles.trainers[1:]]
             )
         self._collectives.barrier()

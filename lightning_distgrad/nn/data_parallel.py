@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import time
 from typing import Any
 
 import numpy as np
@@ -38,6 +37,7 @@ from torch import nn
 
 from .. import autograd as dist_autograd
 from .. import rpc
+from .._mpi_wait import wait_all
 
 __all__ = ["ReplicatedModule"]
 
@@ -45,22 +45,12 @@ __all__ = ["ReplicatedModule"]
 DEFAULT_BUCKET_CAP_MB = 25.0
 #: Byte offsets of tensors packed for a broadcast are aligned to this.
 _ALIGN = 16
-#: Waiting for a collective polls with a sleep that doubles up to this (no spinning).
-_MAX_POLL_S = 0.001
 #: Dtypes reduced in float32 (MPI has no portable 16-bit float type).
 _UPCAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
 # ---------------------------------------------------------------------------
 # MPI helpers
-
-
-def _wait(requests: list[MPI.Request]) -> None:
-    """Wait for ``requests`` without spinning (MPICH spins in blocking calls)."""
-    delay = 1e-5
-    while not MPI.Request.Testall(requests):
-        time.sleep(delay)
-        delay = min(delay * 2, _MAX_POLL_S)
 
 
 def _as_buffer(t: torch.Tensor) -> np.ndarray:
@@ -92,7 +82,7 @@ def _broadcast(comm: MPI.Intracomm, tensors: list[torch.Tensor], root: int) -> N
     if not tensors:
         return
     flat, offsets = _pack_bytes(tensors)
-    _wait([comm.Ibcast([_as_buffer(flat), MPI.BYTE], root)])
+    wait_all(comm.Ibcast([_as_buffer(flat), MPI.BYTE], root))
     if comm.Get_rank() != root:
         _unpack_bytes(flat, offsets, tensors)
 
@@ -108,7 +98,7 @@ def _check_same_structure(comm: MPI.Intracomm, module: nn.Module) -> None:
     signature = _signature(module)
     digest = np.frombuffer(hashlib.sha256(repr(signature).encode()).digest(), dtype=np.uint8)
     everyone = np.empty((comm.Get_size(), digest.size), dtype=np.uint8)
-    _wait([comm.Iallgather([digest, MPI.BYTE], [everyone, MPI.BYTE])])
+    wait_all(comm.Iallgather([digest, MPI.BYTE], [everyone, MPI.BYTE]))
     if (everyone == everyone[0]).all():
         return
     signatures = comm.allgather(signature)  # error path only: say what differs
@@ -135,13 +125,7 @@ def _context_grads(context_id: int, params: list[nn.Parameter]) -> list[torch.Te
 def _replace_context_grads(
     context_id: int, params: list[nn.Parameter], grads: list[torch.Tensor | None]
 ) -> None:
-    ctx = dist_autograd._retrieve_context(context_id)
-    with ctx.lock:
-        for p, g in zip(params, grads, strict=True):
-            if g is None:
-                ctx.grads.pop(p, None)
-            else:
-                ctx.grads[p] = g
+    dist_autograd._retrieve_context(context_id).set_gradients(zip(params, grads, strict=True))
 
 
 def _plan_buckets(
@@ -190,7 +174,7 @@ def _average_dense(
         )
         for dtype, group in buckets
     ]
-    _wait([comm.Iallreduce(MPI.IN_PLACE, _as_buffer(flat), MPI.SUM) for flat in flats])
+    wait_all(*[comm.Iallreduce(MPI.IN_PLACE, _as_buffer(flat), MPI.SUM) for flat in flats])
     size = comm.Get_size()
     averaged: dict[int, torch.Tensor] = {}
     for (_, group), flat in zip(buckets, flats, strict=True):
@@ -413,7 +397,7 @@ class ReplicatedModule(nn.Module):
         flags[0] = error is not None
         flags[1 : 1 + n] = [g is not None for g in grads]
         flags[1 + n :] = [g is not None and g.is_sparse for g in grads]
-        _wait([self.comm.Iallreduce(MPI.IN_PLACE, flags, MPI.SUM)])
+        wait_all(self.comm.Iallreduce(MPI.IN_PLACE, flags, MPI.SUM))
         if error is not None:
             raise error
         if flags[0]:

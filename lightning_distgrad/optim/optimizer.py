@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .. import autograd as dist_autograd
-from ..rpc import _core
+from ..rpc._core import call_all
 from ..rpc.rref import RRef
 
 __all__ = ["DistributedOptimizer"]
@@ -48,7 +48,7 @@ class _LocalOptimizer:
         self.optim = optim_cls(self._local_params, *args, **kwargs)
 
     def step(self, context_id: int) -> None:
-        grads = _context_gradients(context_id)
+        grads = dist_autograd._gradients_here(context_id)
         with _LocalOptimizer.global_lock:
             # A parameter without a gradient in this context gets ``grad=None``,
             # which every torch.optim optimizer skips: it is left unchanged.
@@ -69,16 +69,6 @@ class _LocalOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         with _LocalOptimizer.global_lock:
             self.optim.load_state_dict(state_dict)
-
-
-def _context_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
-    """This worker's gradients in ``context_id``; none if no gradient ever reached it."""
-    try:
-        return dist_autograd.get_gradients(context_id)
-    except RuntimeError as e:
-        if "Could not find autograd context" not in str(e):
-            raise
-        return {}
 
 
 # RPC handlers.
@@ -113,47 +103,6 @@ def _local_optimizer_load_state_dict(local_optim_rref: RRef, state_dict: dict) -
 
 # ---------------------------------------------------------------------------
 # Caller side
-
-
-def _call_all(calls: list[tuple]) -> list[Any]:
-    """Run ``(worker, func, args[, kwargs])`` calls concurrently; wait for all, then raise.
-
-    Calls to other workers go out first, as RPCs that carry no autograd
-    context (an owner that no gradient of the context reached has no context
-    to create, and nothing to release later); calls to this worker then run
-    inline, while the others are in flight. The first error is raised.
-    """
-    agent = _core.require_agent()
-    results: list[Any] = [None] * len(calls)
-    errors: list[BaseException] = []
-    remote, local = {}, []
-    for i, (worker, func, args, *kwargs) in enumerate(calls):
-        kw = kwargs[0] if kwargs else {}
-        if _core.resolve(agent, worker).id == agent.info.id:
-            local.append((i, func, args, kw))
-        else:
-            remote[i] = _core.invoke(
-                worker,
-                func,
-                args,
-                kw,
-                _core.UNSET_RPC_TIMEOUT,
-                user_visible=False,
-                force_autograd=False,
-            )
-    for i, func, args, kw in local:
-        try:
-            results[i] = func(*args, **kw)
-        except Exception as e:
-            errors.append(e)
-    for i, future in remote.items():
-        try:
-            results[i] = _core.wait(future)
-        except Exception as e:
-            errors.append(e)
-    if errors:
-        raise errors[0]
-    return results
 
 
 def _check_optimizer_class(optimizer_class: Any) -> None:
@@ -281,7 +230,7 @@ class DistributedOptimizer:
         self.optimizer_class = optimizer_class
         # The owners check that their RRefs hold tensors in the same call that builds
         # their optimizers: one round trip per owner.
-        built = _call_all(
+        built = call_all(
             [
                 (
                     owner,
@@ -320,7 +269,7 @@ class DistributedOptimizer:
             ...     opt.step(context_id)
         """
         dist_autograd._is_valid_context(context_id)
-        _call_all(
+        call_all(
             [
                 (optim.owner(), _local_optimizer_step, (optim, context_id))
                 for optim in self.remote_optimizers
@@ -344,7 +293,7 @@ class DistributedOptimizer:
             >>> opt.load_state_dict(sd)
         """
         owners = [optim.owner() for optim in self.remote_optimizers]
-        states = _call_all(
+        states = call_all(
             [
                 (owner, _local_optimizer_state_dict, (optim,))
                 for owner, optim in zip(owners, self.remote_optimizers, strict=True)
@@ -376,7 +325,7 @@ class DistributedOptimizer:
                 f"{sorted(given)}, but this optimizer's parameters live on {sorted(expected)}. "
                 f"Missing: {sorted(expected - given)}; unexpected: {sorted(given - expected)}."
             )
-        _call_all(
+        call_all(
             [
                 (owner, _local_optimizer_load_state_dict, (optim, state_dict[owner.name]))
                 for owner, optim in zip(owners, self.remote_optimizers, strict=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -168,3 +168,45 @@ def wait(future: torch.futures.Future) -> Any:
     if agent is None:
         return future.wait()
     return agent.wait(future)
+
+
+def call_all(calls: Iterable[tuple]) -> list[Any]:
+    """Run ``(worker, func, args[, kwargs])`` calls concurrently; wait for all, then raise.
+
+    Calls to other workers go out first, as RPCs that carry no autograd
+    context (an owner that no gradient of the context reached has no context
+    to create, and nothing to release later); calls to this worker then run
+    inline, while the others are in flight. Every call is waited for before the
+    first error is raised; otherwise the results come back in call order.
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> call_all([("worker1", max, (1, 2)), (0, min, (3, 4))])
+        [2, 3]
+    """
+    agent = require_agent()
+    calls = list(calls)
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+    remote, local = {}, []
+    for i, (worker, func, args, *kwargs) in enumerate(calls):
+        kw = kwargs[0] if kwargs else {}
+        if resolve(agent, worker).id == agent.info.id:
+            local.append((i, func, args, kw))
+        else:
+            remote[i] = invoke(
+                worker, func, args, kw, UNSET_RPC_TIMEOUT, user_visible=False, force_autograd=False
+            )
+    for i, func, args, kw in local:
+        try:
+            results[i] = func(*args, **kw)
+        except Exception as e:
+            errors.append(e)
+    for i, future in remote.items():
+        try:
+            results[i] = wait(future)
+        except Exception as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+    return results

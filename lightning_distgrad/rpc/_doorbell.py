@@ -28,10 +28,10 @@ from collections.abc import Callable
 
 from mpi4py import MPI
 
-#: Naps double from NAP_MIN_S to NAP_MAX_S; after QUIET_S without traffic, up to the
-#: caller's quiet cap.
-NAP_MIN_S = 1.5e-5
-NAP_MAX_S = 0.001
+from .._mpi_wait import NAP_MAX_S, NAP_MIN_S
+
+#: Naps double from NAP_MIN_S to NAP_MAX_S (as every wait of the package does, see
+#: ``_mpi_wait``); after QUIET_S without traffic, up to the caller's quiet cap.
 QUIET_S = 0.1
 
 #: Where nap boards live (tmpfs: shared memory that no disk ever sees).

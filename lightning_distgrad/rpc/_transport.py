@@ -40,8 +40,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .._mpi_wait import NAP_MAX_S, nap_until
 from ._abort import abort_mpi_job
-from ._doorbell import NAP_MAX_S, NAP_MIN_S, Backoff, node_doorbell
+from ._doorbell import Backoff, node_doorbell
 from ._profiling import active_log
 from ._receiving import Receiver
 from ._wire import (
@@ -290,17 +291,12 @@ class Transport:
         recv = np.zeros_like(send)
         with self._lock:
             request = self.coll.Iallreduce(send, recv, MPI.SUM)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = NAP_MIN_S
-        while True:
+
+        def finished() -> bool:
             with self._lock:
-                finished = request.Test()
-            if finished:
-                return recv.tolist()
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
-            time.sleep(delay)
-            delay = min(NAP_MAX_S, delay * 2)
+                return request.Test()
+
+        return recv.tolist() if nap_until(finished, timeout) else None
 
     def stop(self, flush_timeout: float = 5.0) -> None:
         """Stop the progress thread once queued sends completed (or ``flush_timeout``

@@ -21,19 +21,12 @@ from mpi4py import MPI
 
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
+from lightning_distgrad._mpi_wait import wait_all
 from lightning_distgrad.optim import DistributedOptimizer
 
 #: Bound for asynchronous cleanup (context releases, RRef deletes) to settle.
 SETTLE_S = 60.0
 LR = 0.1
-
-
-def polite_barrier(comm: MPI.Comm) -> None:
-    """A barrier that sleeps while it waits: with more ranks than cores, a spinning
-    barrier steals the CPU the ranks still working need."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.001)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = SETTLE_S) -> bool:
@@ -124,17 +117,17 @@ def main() -> None:
     rpc.init_rpc()
     rank, world = rpc.get_worker_info().id, comm.Get_size()
     all_to_all(rank, world)
-    polite_barrier(comm)
+    wait_all(comm.Ibarrier())
     rrefs_handed_around(rank, world)
-    polite_barrier(comm)
+    wait_all(comm.Ibarrier())
     if rank == 0:
         backward_through_every_rank(world)
         optimizer_over_every_rank(world)
     gc.collect()  # drops the last user RRefs: their owners are told
-    polite_barrier(comm)  # every rank is done making calls
+    wait_all(comm.Ibarrier())  # every rank is done making calls
     settled = wait_until(lambda: not any(leftovers().values()))
     left = comm.allgather(leftovers())
-    polite_barrier(comm)  # nobody shuts down while another still reads its counts
+    wait_all(comm.Ibarrier())  # nobody shuts down while another still reads its counts
     assert settled and not any(any(v.values()) for v in left), (
         f"left after cleanup, by rank: {dict(enumerate(left))}"
     )
