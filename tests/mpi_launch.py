@@ -2,7 +2,9 @@
 
 One place builds the command line for ``tests/run_all.sh`` and for the tests that start
 whole jobs themselves, so every MPI is launched the same way: with a hang timeout that the
-launcher enforces, per-rank logs under uniform names, and the flags that MPI needs.
+launcher enforces, per-rank logs under uniform names, and the flags that MPI needs. One place
+also runs such a job (:class:`Job`): in a session of its own, so that a job still running at
+its deadline is ended with every process it started.
 
 ========================  =============================================================
 launcher                  per-rank logs / hang timeout / other flags
@@ -40,6 +42,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +77,10 @@ _PER_JOB_PREFIXES = (
 
 #: Seconds the Python side waits beyond the launcher's own timeout before it kills the job.
 _BACKSTOP_GRACE_S = 120
+#: How long a hung job may take to end after SIGTERM before it is killed.
+TERM_GRACE_S = 10
+#: :func:`run`'s exit code for a job it had to end (as ``timeout(1)`` reports one).
+HUNG_EXIT_CODE = 124
 
 
 @dataclass(frozen=True)
@@ -209,6 +217,111 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+@dataclass
+class JobResult:
+    """How a job ended: exit code (None: ended as hung), its output, seconds it ran."""
+
+    argv: list[str]
+    code: int | None
+    output: str
+    seconds: float
+
+    @property
+    def hung(self) -> bool:
+        return self.code is None
+
+    def describe(self) -> str:
+        """For assertion messages: the command, how it ended, and its output."""
+        ended = "hung and was killed" if self.hung else f"exited with {self.code}"
+        return f"{' '.join(self.argv)}\n{ended} after {self.seconds:.1f} s. Output:\n{self.output}"
+
+
+class Job:
+    """A command started now, in a session of its own, its output captured (or, with
+    ``capture=False``, left on this process's stdout and stderr).
+
+    Example::
+
+        >>> job = Job([sys.executable, "-c", "print('hi')"])
+        >>> job.wait(timeout_s=60).output
+        'hi\n'
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        capture: bool = True,
+    ) -> None:
+        self.argv = list(argv)
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.argv,
+            cwd=cwd,
+            env=None if env is None else dict(env),
+            stdout=subprocess.PIPE if capture else None,
+            stderr=subprocess.STDOUT if capture else None,
+            text=True,
+            start_new_session=True,
+        )
+        self._result: JobResult | None = None
+
+    def wait(self, timeout_s: float | None) -> JobResult:
+        """The job's end, waiting at most until ``timeout_s`` after its start (None: no limit).
+
+        A job still running then is ended as hung: SIGTERM to its process group first (mpiexec
+        then tears down its proxies, which run in sessions of their own and would outlive a
+        SIGKILL of its group), SIGKILL ``TERM_GRACE_S`` later. Interrupted, the job is killed.
+        """
+        if self._result is not None:
+            return self._result
+        left = None if timeout_s is None else max(0.1, timeout_s - (time.monotonic() - self.start))
+        try:
+            out, _ = self.proc.communicate(timeout=left)
+            code: int | None = self.proc.returncode
+        except subprocess.TimeoutExpired:
+            out, code = self._stop(), None
+        except BaseException:
+            self.kill()
+            raise
+        self._result = JobResult(self.argv, code, out or "", time.monotonic() - self.start)
+        return self._result
+
+    def kill(self) -> None:
+        """Kill the job's whole process group if it still runs."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.communicate()
+
+    def _stop(self) -> str:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=TERM_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            out, _ = self.proc.communicate()
+        return out or ""
+
+
+def run_job(
+    argv: Sequence[str],
+    *,
+    timeout_s: float | None,
+    cwd: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> JobResult:
+    """Run ``argv`` to its end, or end it as hung ``timeout_s`` after its start (see :class:`Job`).
+
+    Example::
+
+        >>> run_job([sys.executable, "-c", "import sys; sys.exit(3)"], timeout_s=60).code
+        3
+    """
+    return Job(argv, cwd=cwd, env=env).wait(timeout_s)
+
+
 def run(
     launcher: Launcher,
     n: int,
@@ -218,29 +331,23 @@ def run(
 ) -> int:
     """Run the job to its end; the exit code. Rank r's output goes to ``logs.rank<r>.out/err``.
 
-    If the launcher's own timeout fails to end a hung job, the whole process group is
-    killed ``_BACKSTOP_GRACE_S`` later, so a call of this function always returns.
+    If the launcher's own timeout fails to end a hung job, :class:`Job` ends it
+    ``_BACKSTOP_GRACE_S`` later and this returns ``HUNG_EXIT_CODE``: a call always returns.
     """
     if logs:
         Path(logs).parent.mkdir(parents=True, exist_ok=True)
         _remove_logs(logs)
     cmd, extra = command(launcher, n, argv, logs, timeout_s)
-    proc = subprocess.Popen(cmd, env=job_env(extra), start_new_session=True)
-    try:
-        rc = proc.wait(timeout=timeout_s + _BACKSTOP_GRACE_S if timeout_s else None)
-    except subprocess.TimeoutExpired:
+    job = Job(cmd, env=job_env(extra), capture=False)
+    result = job.wait(timeout_s + _BACKSTOP_GRACE_S if timeout_s else None)
+    if result.hung:
         print(
-            f"mpi_launch: {launcher.kind} did not end the job after {timeout_s} s; killing it",
+            f"mpi_launch: {launcher.kind} did not end the job after {timeout_s} s; ended it",
             file=sys.stderr,
         )
-        os.killpg(proc.pid, signal.SIGKILL)
-        rc = proc.wait()
-    except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
     if logs and launcher.kind == "openmpi":
         _rename_prrte_logs(logs)
-    return rc
+    return HUNG_EXIT_CODE if result.code is None else result.code
 
 
 def _pmix_security() -> str:

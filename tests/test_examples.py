@@ -17,16 +17,12 @@ loss goes down:
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import mpi_launch
 import pytest
 import torch
+from _job_runner import LAUNCHER, mpi_job
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -41,7 +37,6 @@ import parameter_server  # noqa: E402
 #: A whole example job on a busy 2-core machine: startup of K Python processes and training.
 JOB_TIMEOUT_S = 420
 ATOL = 1e-5
-LAUNCHER = mpi_launch.find_launcher()
 needs_mpiexec = pytest.mark.skipif(LAUNCHER is None, reason="no MPI launcher found")
 
 
@@ -76,36 +71,14 @@ def mean(values: list[float]) -> float:
 def run_example(tmp_path: Path, ranks: int, script: str, *flags: str) -> tuple[dict, str]:
     """``mpiexec -n ranks python -m mpi4py examples/script flags --dump F``; the dump and output.
 
-    The launcher kills a hung job after ``JOB_TIMEOUT_S``; this test kills it 30 s later.
+    A hung job is ended after ``JOB_TIMEOUT_S`` (see :func:`_job_runner.mpi_job`).
     """
     dump = tmp_path / "dump.json"
-    argv, extra_env = mpi_launch.command(
-        LAUNCHER,
-        ranks,
-        [sys.executable, "-m", "mpi4py", str(EXAMPLES / script), *flags, "--dump", str(dump)],
-        timeout_s=JOB_TIMEOUT_S,
-    )
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        argv,
-        cwd=REPO,
-        env=mpi_launch.job_env(extra_env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=JOB_TIMEOUT_S + 30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(
-            f"{' '.join(argv)} still running after {time.monotonic() - start:.0f} s. Output:\n{out}"
-        )
-    assert proc.returncode == 0, f"{' '.join(argv)} exited with {proc.returncode}:\n{out}"
-    assert "Traceback" not in out, out
-    return json.loads(dump.read_text()), out
+    argv = [sys.executable, "-m", "mpi4py", str(EXAMPLES / script), *flags, "--dump", str(dump)]
+    result = mpi_job(ranks, argv, JOB_TIMEOUT_S, cwd=REPO)
+    assert result.code == 0, result.describe()
+    assert "Traceback" not in result.output, result.describe()
+    return json.loads(dump.read_text()), result.output
 
 
 # ---------------------------------------------------------------------------

@@ -10,13 +10,8 @@ tests) and each test then checks the result of its own job.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import textwrap
-import time
-from dataclasses import dataclass, field
 
 import mpi_launch
 import pytest
@@ -163,28 +158,12 @@ JOBS = {
 # Running jobs
 
 
-@dataclass
-class Job:
-    name: str
-    argv: list[str]
-    proc: subprocess.Popen
-    start: float = field(default_factory=time.monotonic)
-    result: tuple[int, str, float] | None = None
-
-    def wait(self) -> tuple[int, str, float]:
-        """(exit code, output, seconds); fails the test if the job hangs."""
-        if self.result is None:
-            left = max(1.0, JOB_TIMEOUT_S - (time.monotonic() - self.start))
-            try:
-                out, _ = self.proc.communicate(timeout=left)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                out, _ = self.proc.communicate()
-                pytest.fail(
-                    f"{self.argv} still running after {JOB_TIMEOUT_S} s (hung). Output:\n{out}"
-                )
-            self.result = (self.proc.returncode, out, time.monotonic() - self.start)
-        return self.result
+def finished(job: mpi_launch.Job) -> mpi_launch.JobResult:
+    """The job's result; fails the test if the job hangs."""
+    result = job.wait(JOB_TIMEOUT_S)
+    if result.hung:
+        pytest.fail(f"hung for {JOB_TIMEOUT_S} s: {result.describe()}")
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +175,7 @@ def jobs(request, tmp_path_factory):
         if item.module is request.module
         for m in item.iter_markers("job")
     }
-    started: dict[str, Job] = {}
+    started: dict[str, mpi_launch.Job] = {}
     for name in sorted(wanted):
         script_text, argv = JOBS[name]
         if argv is None:
@@ -204,22 +183,10 @@ def jobs(request, tmp_path_factory):
         folder = tmp_path_factory.mktemp(name)
         script = folder / "job.py"
         script.write_text(textwrap.dedent(script_text))
-        full = [*argv, str(script)]
-        proc = subprocess.Popen(
-            full,
-            cwd=folder,
-            env=mpi_launch.job_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        started[name] = Job(name, full, proc)
+        started[name] = mpi_launch.Job([*argv, str(script)], cwd=folder, env=mpi_launch.job_env())
     yield started
     for job in started.values():
-        if job.proc.poll() is None:
-            os.killpg(job.proc.pid, signal.SIGKILL)
-            job.proc.communicate()
+        job.kill()
 
 
 # ---------------------------------------------------------------------------
@@ -235,7 +202,8 @@ def jobs(request, tmp_path_factory):
     ],
 )
 def test_rank_that_raises_after_init_rpc_ends_the_job(jobs, name):
-    code, out, seconds = jobs[name].wait()
+    result = finished(jobs[name])
+    code, out, seconds = result.code, result.output, result.seconds
     assert code != 0, out
     # (Rank 0's own output may be lost when the job is killed: not checked.)
     assert "started 1" in out, out
@@ -248,7 +216,8 @@ def test_rank_that_raises_after_init_rpc_ends_the_job(jobs, name):
 @needs_mpiexec
 @pytest.mark.job("forgets-shutdown")
 def test_job_that_forgets_shutdown_still_exits_cleanly(jobs):
-    code, out, _ = jobs["forgets-shutdown"].wait()
+    result = finished(jobs["forgets-shutdown"])
+    code, out = result.code, result.output
     assert code == 0, out
     assert "rank 0 sent" in out and "rank 1 sent" in out, out
     assert "Traceback" not in out, out
@@ -258,7 +227,8 @@ def test_job_that_forgets_shutdown_still_exits_cleanly(jobs):
 def test_single_process_lifecycle_without_mpiexec(jobs):
     # A one-rank world (MPI singleton): calls before init_rpc fail, RPC to
     # self works, calls after shutdown fail, and init_rpc works again.
-    code, out, _ = jobs["single-process"].wait()
+    result = finished(jobs["single-process"])
+    code, out = result.code, result.output
     assert code == 0, out
     assert "lifecycle ok" in out, out
 
@@ -268,7 +238,7 @@ def test_single_process_lifecycle_without_mpiexec(jobs):
 def test_a_frozen_peer_bounds_calls_and_a_timed_shutdown(jobs):
     """A stopped rank (SIGSTOP): a call to it times out naming it, and shutdown(timeout=5)
     raises on every healthy rank within 5 + 2 s, naming the worker that did not join."""
-    code, out, _ = jobs["frozen-peer-timeout"].wait()
+    out = finished(jobs["frozen-peer-timeout"]).output
     assert "call failed: RPC ran for more than set timeout (2000 ms)" in out, out
     assert "(call to worker2, rank 2)" in out, out
     for rank in (0, 1):
@@ -285,7 +255,8 @@ def test_a_frozen_peer_bounds_calls_and_a_timed_shutdown(jobs):
 def test_a_frozen_peer_ends_a_default_shutdown_by_aborting_the_job(jobs):
     """Without a timeout, shutdown waits for workers that answer; one that leaves a
     liveness ping unanswered for the RPC timeout (3 s here) ends the job, named."""
-    code, out, seconds = jobs["frozen-peer-default"].wait()
+    result = finished(jobs["frozen-peer-default"])
+    code, out, seconds = result.code, result.output, result.seconds
     assert code != 0, out
     assert "worker2 (rank 2) did not answer for 3 s" in out, out
     assert "shutdown returned" not in out, out

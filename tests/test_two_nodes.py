@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 from _emulated_nodes import NODE_NAMES, mpiexec_two_nodes, node_env, skip_reason
-from _job_runner import PACKAGE_ROOT, TESTS, JobResult, run_job
+from _job_runner import PACKAGE_ROOT, TESTS
+from mpi_launch import JobResult, run_job
 
 RANKS_PER_NODE = 2
 WORLD = RANKS_PER_NODE * len(NODE_NAMES)
