@@ -232,6 +232,20 @@ _LIGHTNING_HOOKS = (
 )
 
 
+def quiet_lightning_pytree() -> None:
+    """Ignore the FutureWarning that torch 2.13 raises for every ``LeafSpec`` that Lightning's
+    ``_pytree`` helper builds (once per fit): it concerns Lightning's code, not the user's.
+
+    Waits for a Lightning release whose ``_pytree`` uses ``TreeSpec.is_leaf()``.
+    """
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+
+
 def after_closure(precision: Any, model: Any, optimizer: Any) -> None:
     """Run ``on_before_optimizer_step`` hooks and gradient clipping as Lightning's precision
     plugin does after the training step's closure."""

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from .. import rpc
 from .._compat import module_children
-from ..nn import RemoteModule
+from ..nn import RemoteModule, ReplicatedModule
 from . import _remote
 from ._collectives import TrainerCollectives
 from ._roles import Roles
@@ -20,6 +20,7 @@ __all__ = [
     "take_remote_modules",
     "check_remote_modules",
     "install_forward",
+    "replicate",
     "hyperparameters",
     "same_hyperparameters",
     "warn_backward_override",
@@ -90,6 +91,25 @@ def check_remote_modules(
                 " `self.trainer.strategy.remote_module(...)` in configure_model, which creates"
                 " one module and hands it to every trainer."
             )
+
+
+def replicate(
+    module: nn.Module,
+    collectives: TrainerCollectives | None,
+    num_trainers: int,
+    replicate_all: bool,
+) -> tuple[ReplicatedModule | None, list[ReplicatedModule]]:
+    """The module's local parameters replicated over the trainers: the whole module (wrapped
+    here, returned first: the caller frees its communicator) or, with ``replicate_all=False``,
+    the ReplicatedModules in it; ``(None, [])`` for a single trainer."""
+    if num_trainers == 1:
+        return None, []
+    if not replicate_all:
+        return None, [m for m in module.modules() if isinstance(m, ReplicatedModule)]
+    if not any(True for _ in module.parameters()):
+        return None, []
+    owned = ReplicatedModule(module, collectives.comm, broadcast_buffers=False)
+    return owned, [owned]
 
 
 def install_forward(module: RemoteModule, autocast_dtype: torch.dtype | None) -> None:

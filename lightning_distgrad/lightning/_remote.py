@@ -9,15 +9,17 @@ end-of-stage reports that release a serving rank's serve loop, and the hand-over
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from .. import autograd as dist_autograd
 from .. import rpc
+from ..rpc._core import call_all
 
 __all__ = ["StageReport", "stage_board"]
 
@@ -135,15 +137,29 @@ def report_stage(report: StageReport) -> None:
 # --- RemoteModules shared by all trainers --------------------------------------------------------
 
 _shared_lock = threading.Lock()
-_shared: dict[tuple[int, int], Any] = {}
+_shared: dict[int, Any] = {}
+_shared_keys = itertools.count()  # numbers shared modules in creation order, alike on all trainers
 
 
-def stash_shared(key: tuple[int, int], module: Any) -> None:
+def share(collectives: Any, trainers: Sequence[int], create: Callable[[], Any]) -> Any:
+    """``create()`` on trainer 0, handed to every other trainer (ranks ``trainers``): the same
+    object everywhere. A collective over the trainers (``collectives``)."""
+    key = next(_shared_keys)
+    if collectives.rank == 0:
+        module = create()
+        call_all([(rank, stash_shared, (key, module)) for rank in trainers[1:]])
+    collectives.barrier()
+    if collectives.rank != 0:
+        module = take_shared(key)
+    return module
+
+
+def stash_shared(key: int, module: Any) -> None:
     """Keep ``module`` (a RemoteModule sent by the creating trainer) until :func:`take_shared`."""
     with _shared_lock:
         _shared[key] = module
 
 
-def take_shared(key: tuple[int, int]) -> Any:
+def take_shared(key: int) -> Any:
     with _shared_lock:
         return _shared.pop(key)

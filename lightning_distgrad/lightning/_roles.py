@@ -27,8 +27,8 @@ from ._remote import StageReport, report_stage, stage_board
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
+    from ._parallel import MPIRolesStrategy
     from .environment import MPIClusterEnvironment
-    from .strategy import DistAutogradStrategy
 
 __all__ = ["Roles", "RoleLauncher", "check_devices", "resolve_roles"]
 
@@ -139,7 +139,7 @@ def check_devices(
 class RoleLauncher(Launcher):
     """Runs a Trainer entry point on training ranks and the serve loop on serving ranks."""
 
-    def __init__(self, strategy: DistAutogradStrategy) -> None:
+    def __init__(self, strategy: MPIRolesStrategy) -> None:
         self._strategy = strategy
 
     @property
