@@ -8,6 +8,7 @@ with ``from _lightning_utils import ...`` (running ``examples/<name>.py`` puts `
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 
 import lightning as L
@@ -34,7 +35,8 @@ def lightning_parser(doc: str, lr: float) -> argparse.ArgumentParser:
 
 
 class PrintLoss(L.Callback):
-    """Print the (trainer-averaged) training loss every ``every`` steps, on trainer 0.
+    """Print the (trainer-averaged) training loss every ``every`` steps, on trainer 0, through
+    the progress bar (so the line lands above it, not inside it).
 
     ``first`` and ``last`` are the mean losses of the first and the last ``window`` batches.
     """
@@ -57,7 +59,12 @@ class PrintLoss(L.Callback):
             return
         self.losses.append(float(loss))
         if trainer.is_global_zero and trainer.global_step % self.every == 0:
-            print(f"\nstep {trainer.global_step:4d}  loss {self.losses[-1]:.4f}", flush=True)
+            line = f"step {trainer.global_step:4d}  loss {self.losses[-1]:.4f}"
+            bar = trainer.progress_bar_callback
+            if bar is None:
+                print(line, flush=True)
+            else:
+                bar.print(line)
 
     def summary(self) -> tuple[float, float]:
         """Print ``loss: first ... -> last ...`` and return ``(first, last)``."""
@@ -75,9 +82,17 @@ def loaders(
     return train, val
 
 
+class _NoLoggerTip(logging.Filter):
+    """Drops the tip Lightning logs about installing a cloud logger (the examples log nothing)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in record.getMessage()
+
+
 def make_trainer(strategy: Strategy, args: argparse.Namespace) -> tuple[L.Trainer, PrintLoss]:
     """An ``L.Trainer`` with ``strategy`` and the settings of :func:`lightning_parser`'s flags,
     and its only callback, a :class:`PrintLoss` (no logger, checkpoints or model summary)."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoLoggerTip())
     printer = PrintLoss(every=20 if args.fast else 100)
     trainer = L.Trainer(
         strategy=strategy,

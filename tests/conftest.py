@@ -78,15 +78,28 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["PYTEST_DEBUG_TEMPROOT"] = root
 
 
+#: Why the plain ``pytest`` pass skips the ``mpi`` tests.
+MPI_SKIP_REASON = (
+    "needs mpiexec: run `bash tests/run_all.sh` (serial tests, then the MPI tests on 2 and 4 ranks)"
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``mpiexec -n N`` (N > 1) select only ``mpi`` tests.
+    """Without ``--with-mpi`` mark ``mpi`` tests skipped, saying how to run them; under
+    ``mpiexec -n N`` (N > 1) select only ``mpi`` tests.
 
     Serial tests run in the plain ``pytest`` pass; running them on every rank
     would only repeat them N times (and the ones that start ``mpiexec`` must
     not run inside an MPI job). The same on every rank, so collection stays
     identical.
     """
-    if not _testing_mpi(config) or _world_size() == 1:
+    if not _testing_mpi(config):
+        skip = pytest.mark.skip(reason=MPI_SKIP_REASON)
+        for item in items:
+            if item.get_closest_marker("mpi") is not None:
+                item.add_marker(skip, append=False)  # before pytest-mpi's own skip
+        return
+    if _world_size() == 1:
         return
     keep, drop = [], []
     for item in items:
@@ -94,6 +107,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """In the plain ``pytest`` pass, say once how many ``mpi`` tests were skipped and why."""
+    if _testing_mpi(config):
+        return
+    skipped = terminalreporter.stats.get("skipped", [])
+    count = sum(1 for report in skipped if MPI_SKIP_REASON in str(report.longrepr))
+    if count:
+        terminalreporter.write_line(f"{count} multi-rank tests skipped: {MPI_SKIP_REASON}")
 
 
 @pytest.hookimpl(wrapper=True)
