@@ -441,6 +441,19 @@ def test_state_dict_round_trip_resumes_identically(rpc_world):
 NUM_EMBEDDINGS, EMBEDDING_DIM = 20, 4
 
 
+def _sparse_bags(owner: str) -> tuple[torch.nn.EmbeddingBag, RemoteModule]:
+    """A sparse EmbeddingBag here and one on ``owner``, with the same weights."""
+    local = torch.nn.EmbeddingBag(NUM_EMBEDDINGS, EMBEDDING_DIM, mode="sum", sparse=True)
+    remote = RemoteModule(
+        owner,
+        torch.nn.EmbeddingBag,
+        (NUM_EMBEDDINGS, EMBEDDING_DIM),
+        {"mode": "sum", "sparse": True},
+    )
+    remote.load_remote_state_dict(local.state_dict())
+    return local, remote
+
+
 def _batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     indices = torch.randint(0, NUM_EMBEDDINGS, (12,), generator=g)
     return indices, torch.tensor([0, 3, 7])
@@ -455,11 +468,7 @@ def _batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 )
 def test_sparse_embedding_bag_on_parameter_server(rpc_world, optim_cls, kwargs):
     ps = rpc_world.names[-1]
-    local = torch.nn.EmbeddingBag(NUM_EMBEDDINGS, EMBEDDING_DIM, mode="sum", sparse=True)
-    remote = RemoteModule(
-        ps, torch.nn.EmbeddingBag, (NUM_EMBEDDINGS, EMBEDDING_DIM), {"mode": "sum", "sparse": True}
-    )
-    remote.load_remote_state_dict(local.state_dict())
+    local, remote = _sparse_bags(ps)
     local_optim = optim_cls(local.parameters(), **kwargs)
     dist_optim = DistributedOptimizer(optim_cls, remote.remote_parameters(), **kwargs)
     g = torch.Generator().manual_seed(rpc_world.rank)
@@ -480,11 +489,7 @@ def test_sparse_embedding_bag_on_parameter_server(rpc_world, optim_cls, kwargs):
 
 def test_sparse_gradients_accumulate_over_backward_passes(rpc_world):
     ps = rpc_world.names[-1]
-    local = torch.nn.EmbeddingBag(NUM_EMBEDDINGS, EMBEDDING_DIM, mode="sum", sparse=True)
-    remote = RemoteModule(
-        ps, torch.nn.EmbeddingBag, (NUM_EMBEDDINGS, EMBEDDING_DIM), {"mode": "sum", "sparse": True}
-    )
-    remote.load_remote_state_dict(local.state_dict())
+    local, remote = _sparse_bags(ps)
     indices, offsets = _batch(torch.Generator().manual_seed(rpc_world.rank))
     (local(indices, offsets).pow(2).sum() * 2).backward()
     dist_optim = DistributedOptimizer(torch.optim.SGD, remote.remote_parameters(), lr=1.0)
@@ -503,11 +508,7 @@ def dense_rows(module_rref) -> torch.Tensor:
 
 def test_leaf_with_sparse_and_dense_gradients_from_two_rpcs(rpc_world):
     ps = rpc_world.names[-1]
-    local = torch.nn.EmbeddingBag(NUM_EMBEDDINGS, EMBEDDING_DIM, mode="sum", sparse=True)
-    remote = RemoteModule(
-        ps, torch.nn.EmbeddingBag, (NUM_EMBEDDINGS, EMBEDDING_DIM), {"mode": "sum", "sparse": True}
-    )
-    remote.load_remote_state_dict(local.state_dict())
+    local, remote = _sparse_bags(ps)
     indices, offsets = _batch(torch.Generator().manual_seed(rpc_world.rank))
     (local(indices, offsets).sum() + (local.weight[:2] * 2).sum()).backward()
     dist_optim = DistributedOptimizer(torch.optim.SGD, remote.remote_parameters(), lr=1.0)

@@ -316,6 +316,15 @@ def test_many_big_messages_in_flight_stay_matched(rpc_world):
 # Concurrency
 
 
+def run_threads(target, count: int) -> None:
+    """Run ``target(k)`` on ``count`` threads at once, ``k = 0 .. count - 1``; wait for all."""
+    workers = [threading.Thread(target=target, args=(k,)) for k in range(count)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+
+
 def test_many_threads_issuing_rpc_async_lose_and_duplicate_nothing(rpc_world):
     threads, calls = 8, 200
     results: dict[int, list] = {}
@@ -337,11 +346,7 @@ def test_many_threads_issuing_rpc_async_lose_and_duplicate_nothing(rpc_world):
         except BaseException as e:  # surfaced below
             errors.append(e)
 
-    workers = [threading.Thread(target=issue, args=(k,)) for k in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(timeout=120)
+    run_threads(issue, threads)
     assert not errors, errors
     assert sorted(results) == list(range(threads))
     seen = set()
@@ -370,11 +375,7 @@ def test_many_threads_issuing_rpc_sync_and_remote(rpc_world):
         except BaseException as e:
             errors.append(e)
 
-    workers = [threading.Thread(target=issue, args=(k,)) for k in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(timeout=120)
+    run_threads(issue, threads)
     assert not errors, errors
     assert ok == [calls] * threads
 
