@@ -57,7 +57,7 @@ def test_pool_reuses_a_buffer_only_when_no_tensor_uses_it():
 
 
 def test_pooled_buffers_start_on_a_page_boundary():
-    # MPICH's single-copy path was 4x slower into misaligned buffers.
+    # Page-aligned: MPICH's single-copy path fills misaligned buffers slowly.
     pool = ReceiveBufferPool(min_bytes=MIB, max_bytes=64 * MIB)
     for n in (MIB, 3 * MIB + 4, 5 * MIB):
         t = _received(pool, n)

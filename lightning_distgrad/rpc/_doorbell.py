@@ -109,7 +109,7 @@ class Doorbell:
         """A doorbell, or a :class:`LocalBell` where abstract Unix sockets are missing."""
         try:
             return cls(token, rank, node_ranks)
-        except (OSError, AttributeError):  # not Linux: plain naps, as before
+        except (OSError, AttributeError):  # not Linux: plain naps, woken by own threads only
             return LocalBell()
 
     def ring(self, rank: int) -> None:
