@@ -55,3 +55,13 @@ def test_readme_rpc_quick_start_runs_and_prints_what_it_says(tmp_path):
     # The values the README's comments promise: dloss/dx = w = 1, and w after one SGD step.
     assert "tensor([1., 1., 1.])" in job.output, job.describe()
     assert "tensor([0.9000, 0.8000, 0.7000])" in job.output, job.describe()
+
+
+@pytest.mark.skipif(LAUNCHER is None, reason="needs an MPI launcher (mpiexec) beside python")
+def test_readme_lightning_quick_start_trains_with_a_server_rank(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(readme_block("# train.py"))
+    job = mpi_job(3, [sys.executable, "-m", "mpi4py", str(script)], timeout_s=240, cwd=tmp_path)
+    assert job.code == 0, job.describe()
+    losses = [float(x) for x in re.findall(r"train_loss=([0-9.]+)", job.output)]
+    assert len(losses) >= 2 and losses[-1] < losses[0] / 2, job.describe()
