@@ -207,7 +207,7 @@ def plot(rows: list[dict], path: Path, title: str, label=lambda r: r["metric"]) 
     ax.set_xlabel("ours / anchor (black tick: target; green: met, red: missed)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
