@@ -58,7 +58,7 @@ WORLD_SIZE = 4
 
 
 # ---------------------------------------------------------------------------
-# Model and data (shared with benchmarks/bench_hybrid.py)
+# Model and data
 
 
 class SeededEmbeddingBag(nn.EmbeddingBag):

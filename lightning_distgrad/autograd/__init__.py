@@ -30,6 +30,14 @@ __all__ = ["context", "backward", "get_gradients", "is_available", "DistAutograd
 
 
 def is_available() -> bool:
+    """Whether distributed autograd can be used: always, as in a torch build with RPC.
+
+    Example::
+
+        >>> import lightning_distgrad.autograd as dist_autograd
+        >>> dist_autograd.is_available()
+        True
+    """
     return True
 
 

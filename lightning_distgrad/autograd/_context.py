@@ -38,7 +38,20 @@ def check_context_id(context_id: Any) -> None:
 
 
 class DistAutogradContext:
-    """The send/recv functions and gradients of one forward/backward pass on one worker."""
+    """The send/recv functions and gradients of one forward/backward pass on one worker.
+
+    Made by :class:`~lightning_distgrad.autograd.context` on the worker that opens it, and on
+    every worker an RPC of the context reaches; released everywhere when the ``with`` block
+    ends. Users see its id; :func:`~lightning_distgrad.autograd.get_gradients` reads it.
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> with dist_autograd.context() as context_id:
+        ...     ctx = dist_autograd._retrieve_context(context_id)
+        ...     ctx._context_id() == context_id
+        True
+    """
 
     def __init__(self, context_id: int):
         self._id = context_id

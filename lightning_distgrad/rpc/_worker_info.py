@@ -4,7 +4,16 @@ from __future__ import annotations
 
 
 class WorkerInfo:
-    """The name and id (rank) of one worker, as in ``torch.distributed.rpc``."""
+    """The name and id (rank) of one worker, as in ``torch.distributed.rpc``.
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> rpc.get_worker_info("worker1")      # after init_rpc, under mpiexec -n 2
+        WorkerInfo(id=1, name=worker1)
+        >>> rpc.get_worker_info().id            # this worker's rank
+        0
+    """
 
     __slots__ = ("name", "id")
 

@@ -321,7 +321,15 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
 
 
 def get_rpc_timeout() -> float:
-    """The default RPC timeout in seconds."""
+    """The default RPC timeout in seconds, as set at ``init_rpc`` or by ``_set_rpc_timeout``.
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> rpc.init_rpc(rpc_backend_options=rpc.MPIRpcBackendOptions(rpc_timeout=20))
+        >>> rpc.get_rpc_timeout()
+        20.0
+    """
     return _core.require_agent().timeout
 
 

@@ -26,7 +26,13 @@ DEFAULT_MAX_MESSAGE_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAG
 
 
 class BackendType(enum.Enum):
-    """RPC backends. ``TENSORPIPE`` is an alias of ``MPI`` so ported code runs unchanged."""
+    """RPC backends. ``TENSORPIPE`` is an alias of ``MPI`` so ported code runs unchanged.
+
+    Example::
+
+        >>> BackendType.TENSORPIPE is BackendType.MPI
+        True
+    """
 
     MPI = "MPI"
     TENSORPIPE = "MPI"

@@ -1,0 +1,87 @@
+"""Parameter server: requests/s of 1..N-1 trainers against one server, ours vs TensorPipe.
+
+Rank 0 holds a small model's parameters; for k = 1 .. N-1, trainers 1..k repeat a step:
+``rpc_sync`` the parameters, compute gradients on a batch of 16, ``rpc_sync`` them back
+(the server applies SGD under a lock); the other ranks sleep. Each stack first checks that
+a push changes the parameters by exactly the learning rate times the gradients sent.
+"""
+
+import threading
+import time
+
+import torch
+from _harness import TP, Stack, finish, parse, row, sleep_barrier, world
+from torch import nn
+
+LR = 0.01
+_lock = threading.Lock()
+_params: list[torch.Tensor] = []  # on the server
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def get_params() -> list[torch.Tensor]:
+    """Runs on the server: a copy of the parameters."""
+    with _lock:
+        return [p.clone() for p in _params]
+
+
+def push_grads(grads: list[torch.Tensor]) -> None:
+    """Runs on the server: one SGD step with ``grads``."""
+    with _lock:
+        for p, g in zip(_params, grads, strict=True):
+            p.add_(g, alpha=-LR)
+
+
+def step(rpc, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """Fetch the parameters, compute gradients, push them; returns the gradients."""
+    with torch.no_grad():
+        for p, v in zip(net.parameters(), rpc.rpc_sync("worker0", get_params), strict=True):
+            p.copy_(v)
+    grads = torch.autograd.grad(nn.functional.cross_entropy(net(x), y), list(net.parameters()))
+    rpc.rpc_sync("worker0", push_grads, (grads,))
+    return grads
+
+
+def session(kind: str, comm, steps: int, warmup: int) -> dict[int, float]:
+    """Requests/s per number of trainers (on rank 0)."""
+    rank, out = comm.Get_rank(), {}
+    _params[:] = [p.detach().clone() for p in model().parameters()]
+    net, g = model(), torch.Generator().manual_seed(rank)
+    x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+    with Stack(kind, comm) as s:
+        if rank == 1:  # alone: the server's update is exactly SGD with the gradients sent
+            before = s.rpc.rpc_sync("worker0", get_params)
+            grads = step(s.rpc, net, x, y)
+            for b, gr, a in zip(before, grads, s.rpc.rpc_sync("worker0", get_params), strict=True):
+                torch.testing.assert_close(a, b - LR * gr, msg=lambda m: f"{kind}: {m}")
+        for k in range(1, comm.Get_size()):
+            sleep_barrier(comm)
+            active = 1 <= rank <= k
+            for _ in range(warmup if active else 0):
+                step(s.rpc, net, x, y)
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps if active else 0):
+                step(s.rpc, net, x, y)
+            elapsed = time.perf_counter() - t0 if active else 0.0
+            sleep_barrier(comm)  # the server's main thread must not spin while its agent works
+            elapsed = comm.gather(elapsed, root=0)
+            out[k] = 2 * k * steps / max(elapsed) if rank == 0 else None
+    return out
+
+
+def main() -> None:
+    args = parse(__doc__.splitlines()[0])
+    comm = world("param_server")
+    steps, warmup = (20, 3) if args.quick else (200, 20)
+    ours, tp = (session(kind, comm, steps, warmup) for kind in ("ours", "tp"))
+    rows = [row(f"{k} trainer(s), requests/s", ours[k], tp[k], TP, "req/s") for k in ours]
+    finish("param_server", rows, comm, args, requests_per_s={"ours": ours, "tp": tp})
+
+
+if __name__ == "__main__":
+    main()
