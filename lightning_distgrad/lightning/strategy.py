@@ -158,8 +158,11 @@ class DistAutogradStrategy(MPIRolesStrategy):
             def configure_optimizers(self):   # local parameters; the strategy adds the remote ones
                 return torch.optim.SGD(self.parameters(), lr=0.1)
 
-        trainer = L.Trainer(strategy=DistAutogradStrategy(num_servers=1), max_epochs=1)
-        trainer.fit(Model(), dataloader)  # on a serving rank: serves, then returns None
+        >>> # xdoctest: +SKIP
+        >>> trainer = L.Trainer(strategy=DistAutogradStrategy(num_servers=1), max_epochs=1)
+        >>> trainer.fit(Model(), dataloader)  # on rank 2: serves, returns None once 0, 1 are done
+        >>> trainer.strategy.is_server        # False on ranks 0 and 1
+        True
 
     Every rank calls the same entry points in the same order; a serving rank raises the error a
     trainer raised, and ``trainer.save_checkpoint`` writes nothing there. Guard only code that
