@@ -1,5 +1,5 @@
-"""Profiling: torch profiler events of RPCs and of the distributed backward, and the
-merged timeline of every rank."""
+"""Profiling: torch profiler events of RPCs (the callee's events included) and of the
+distributed backward, the merged timeline of every rank, and both under Lightning."""
 
 from __future__ import annotations
 
@@ -13,12 +13,42 @@ from _job_runner import LAUNCHER, mpi_job
 
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import profiler, rpc
+from lightning_distgrad.autograd import _engine
+from lightning_distgrad.rpc import _profiling
 
 REPO = Path(__file__).resolve().parents[1]
+REMOTE_OP = "#remote_op: "  # torch's separator (torch.testing's RPC profiling tests)
 
 
 def double(x):
     return x * 2
+
+
+def ops_in_a_block(x):
+    """A few operators, some in a ``record_function`` block (torch's test UDF, in short)."""
+    y = torch.ones(3) + x
+    with torch.autograd.profiler.record_function("##forward##"):
+        return torch.sigmoid(torch.relu(y) * 2)
+
+
+def add_on(worker, x):
+    """A nested call: ``x + 1`` computed on ``worker``."""
+    return rpc.rpc_sync(worker, torch.add, (x, 1))
+
+
+@rpc.functions.async_execution
+def add_on_later(worker, x):
+    """The nested call of an async function, answered when it completes."""
+    return rpc.rpc_async(worker, torch.add, (x, 1))
+
+
+def remote_events(prof) -> dict[str, list]:
+    """The profile's remote events by name."""
+    found: dict[str, list] = {}
+    for event in prof.events():
+        if event.is_remote:
+            found.setdefault(event.name, []).append(event)
+    return found
 
 
 @pytest.mark.mpi(min_size=2)
@@ -44,13 +74,114 @@ def test_rpcs_are_recorded_under_torchs_rpc_profiling_names(rpc_world):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_the_distributed_backward_is_recorded(rpc_world):
+def test_the_callees_events_come_back_as_torchs_remote_events(rpc_world):
+    me, peer, peer_rank = rpc_world.name, rpc_world.peer(), rpc_world.peer_rank()
+    x = torch.ones(3)
+    with torch.profiler.profile() as prof:
+        assert torch.equal(rpc.rpc_sync(peer, torch.add, (x, 1)), x + 1)
+        rpc.rpc_async(peer, ops_in_a_block, (x,)).wait()
+    found = remote_events(prof)
+    add_key = f"rpc_sync#aten::add({me} -> {peer})"
+    udf_key = f"rpc_async#ops_in_a_block({me} -> {peer})"
+    assert f"{add_key}{REMOTE_OP}aten::add" in found, sorted(found)
+    assert all(e.node_id == peer_rank for events in found.values() for e in events)
+    # What the callee ran is what a local run of the function records.
+    with torch.profiler.profile() as local:
+        ops_in_a_block(x)
+    local_names = {e.name for e in local.events()}
+    remote_names = {n[len(udf_key + REMOTE_OP) :] for n in found if n.startswith(udf_key)}
+    expected = {
+        "aten::ones",
+        "aten::add",
+        "##forward##",
+        "aten::relu",
+        "aten::mul",
+        "aten::sigmoid",
+    }
+    assert expected <= local_names & remote_names, sorted(remote_names)
+    # The callee's run of the call (its serve span) lies within the caller's span of it.
+    (call,) = [e for e in prof.events() if e.name == udf_key]
+    (serve,) = found[f"{udf_key}{REMOTE_OP}rpc_serve#ops_in_a_block({me} -> {peer})"]
+    assert 0 < serve.time_range.elapsed_us() <= call.time_range.elapsed_us()
+    # key_averages lists remote time as torch's RPC profiling does.
+    averages = {e.key: e for e in prof.key_averages()}
+    assert averages[f"{add_key}{REMOTE_OP}aten::add"].node_id == peer_rank
+    assert not _profiling._expected  # every call's events arrived
+
+
+@pytest.mark.mpi(min_size=2)
+def test_nested_calls_come_back_nested_with_the_node_that_ran_them(rpc_world):
+    me, peer = rpc_world.name, rpc_world.peer()
+    third, third_rank = rpc_world.peer(2), rpc_world.peer_rank(2)
+    x = torch.ones(2)
+    with torch.profiler.profile() as prof:
+        assert torch.equal(rpc.rpc_sync(peer, add_on, (third, x)), x + 1)
+        assert torch.equal(rpc.rpc_async(peer, add_on_later, (third, x)).wait(), x + 1)
+        rref = rpc.remote(peer, torch.mul, (x, 3))
+        assert torch.equal(rref.to_here(), x * 3)
+    found = remote_events(prof)
+    for mode, func in (("sync", "add_on"), ("async", "add_on_later")):
+        outer = f"rpc_{mode}#{func}({me} -> {peer}){REMOTE_OP}"
+        nested = f"{outer}rpc_{mode}#aten::add({peer} -> {third})"
+        assert [e.node_id for e in found.get(nested, [])] == [rpc_world.peer_rank()], sorted(found)
+        assert [e.node_id for e in found[f"{nested}{REMOTE_OP}aten::add"]] == [third_rank]
+    assert f"rpc_remote#aten::mul({me} -> {peer}){REMOTE_OP}aten::mul" in found
+
+
+@pytest.mark.mpi(min_size=2)
+def test_only_calls_made_under_a_profiler_ask_their_callee_to_record(rpc_world):
+    log = _profiling.MessageLog()  # notes the kind of every frame this rank sends
+
+    def requests_sent() -> set[str]:
+        kinds = {e[2] for e in log.entries if e[0] == "send" and e[2].endswith("REQUEST")}
+        del log.entries[:]
+        return kinds
+
+    _profiling.set_log(log)
+    try:
+        rpc.rpc_sync(rpc_world.peer(), torch.add, (torch.ones(2), 1))
+        rpc.rpc_sync(rpc_world.peer(), double, (torch.ones(2),))
+        unprofiled = requests_sent()
+        with torch.profiler.profile():
+            rpc.rpc_sync(rpc_world.peer(), torch.add, (torch.ones(2), 1))
+        profiled = requests_sent()
+    finally:
+        _profiling.set_log(None)
+    assert unprofiled == {"QUICK_REQUEST", "REQUEST"}
+    assert profiled == {"PROFILED_REQUEST"}
+
+
+def backward_events(prof) -> tuple[list, list]:
+    """The profile's distributed backward events and the spans within them."""
+    events = prof.events()
+    passes = [e for e in events if e.name == _engine.BACKWARD_SPAN]
+    inner = [
+        e
+        for e in events
+        if e.name == _engine.LOCAL_WORK_SPAN
+        or e.name.startswith((_engine.SEND_SPAN, _engine.RECEIVE_SPAN))
+    ]
+    return passes, inner
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_distributed_backward_is_recorded_with_its_work_and_messages(rpc_world):
+    me, peer = rpc_world.name, rpc_world.peer()
     t1 = torch.rand(3, 3, requires_grad=True)
     with torch.profiler.profile() as prof, dist_autograd.context() as context_id:
-        loss = rpc.rpc_sync(rpc_world.peer(), torch.add, (t1, 1)).sum()
+        loss = rpc.rpc_sync(peer, torch.add, (t1, 1)).sum()
         dist_autograd.backward(context_id, [loss])
-    keys = {e.key for e in prof.key_averages()}
-    assert "torch::distributed::autograd::backward" in keys, sorted(keys)
+    passes, inner = backward_events(prof)
+    assert len(passes) == 1, [e.name for e in prof.events() if "autograd" in e.name]
+    names = [e.name for e in inner]
+    assert names.count(_engine.LOCAL_WORK_SPAN) >= 2, names  # the roots, then the gradients
+    assert f"{_engine.SEND_SPAN}({me} -> {peer})" in names
+    assert f"{_engine.RECEIVE_SPAN}({peer} -> {me})" in names
+    for event in inner:  # each one runs on the pass's thread, inside the pass
+        parent = event.cpu_parent
+        while parent is not None and parent is not passes[0]:
+            parent = parent.cpu_parent
+        assert parent is passes[0], event.name
 
 
 @pytest.mark.mpi(min_size=2)

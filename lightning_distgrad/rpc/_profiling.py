@@ -138,19 +138,24 @@ class Recorder:
     Inside ``with recorder:`` torch's legacy profiler records this thread (Kineto allows
     one profiler per process; the legacy one is per thread), unless a profiler records
     it already. Calls the run makes deliver their remote events here (:meth:`add`), so
-    that nested calls come back nested, as in torch.
+    that nested calls come back nested, as in torch; each such call is recorded here
+    from its send to its events' arrival (an async function's calls end after the
+    legacy profiler stopped, which then drops them).
     """
 
     def __init__(self, node_id: int):
         self.node_id = node_id
         self.events: list[tuple] = []
+        self._calls: set[str] = set()  # keys of the calls recorded by add()
         self._lock = threading.Lock()
         self._profile = None
         self._outer: Recorder | None = None
         self.start_ns = 0
+        self.thread = threading.get_native_id()
 
     def __enter__(self) -> Recorder:
         self._outer, _local.recorder = _local.recorder, self
+        self.thread = threading.get_native_id()
         if not profiler_enabled():
             self._profile = torch.autograd.profiler_legacy.profile()
             self._profile.__enter__()
@@ -162,18 +167,22 @@ class Recorder:
         if self._profile is None:
             return
         self._profile.__exit__(None, None, None)
-        node = self.node_id
-        own = [
-            (e.name, e.time_range.start, e.time_range.end, e.thread, node)
-            for e in self._profile.function_events
-        ]
         with self._lock:
-            self.events.extend(own)
+            # The legacy profiler records this thread only: its events get this thread's
+            # id, as the calls recorded by add() do.
+            self.events.extend(
+                (e.name, e.time_range.start, e.time_range.end, self.thread, self.node_id)
+                for e in self._profile.function_events
+                if e.name not in self._calls
+            )
 
     def add(self, key: str, start_ns: int, end_ns: int, duration_us: float, events: tuple) -> None:
-        """The remote events of a call made while recording."""
+        """A call made while recording, and its remote events."""
+        call = (key, (start_ns - self.start_ns) / 1000, (end_ns - self.start_ns) / 1000)
         placed = list(_placed(events, key, start_ns, end_ns, duration_us, self.start_ns))
         with self._lock:
+            self._calls.add(key)
+            self.events.append((*call, self.thread, self.node_id))
             self.events.extend(placed)
 
     def body(self, call_id: int) -> RemoteEvents:
@@ -322,10 +331,12 @@ class MessageLog:
     def received(self, kind: str, src: int, tag: int, nbytes: int) -> None:
         self.entries.append(("recv", time.time_ns(), kind, src, tag, nbytes))
 
-    def span(self, start_ns: int, name: str, args: dict | None = None) -> None:
-        self.entries.append(
-            ("span", start_ns, time.time_ns(), name, threading.get_native_id(), args)
-        )
+    def span(
+        self, start_ns: int, name: str, args: dict | None = None, tid: int | None = None
+    ) -> None:
+        """A span from ``start_ns`` until now, on thread ``tid`` (default: this one)."""
+        tid = threading.get_native_id() if tid is None else tid
+        self.entries.append(("span", start_ns, time.time_ns(), name, tid, args))
 
 
 _log: MessageLog | None = None
@@ -363,10 +374,12 @@ def span(name: str, args: dict | None = None) -> Iterator[None]:
 
 
 def span_until(name: str, future: torch.futures.Future) -> torch.futures.Future:
-    """Record ``name`` from now until ``future`` completes; returns the future to use."""
+    """Record ``name`` from now until ``future`` completes, on this thread (whichever
+    thread completes the future); returns the future to use."""
     log, start = _log, time.time_ns()
     if log is not None:
-        future.add_done_callback(lambda _: log.span(start, name))
+        tid = threading.get_native_id()
+        future.add_done_callback(lambda _: log.span(start, name, None, tid))
     if not profiler_enabled():
         return future
     record = torch.autograd.profiler.record_function(name)
