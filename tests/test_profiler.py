@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,32 @@ def test_the_distributed_backward_is_recorded_with_its_work_and_messages(rpc_wor
         assert parent is passes[0], event.name
 
 
+def assert_backward_spans_nest(events: list[dict], pid: int) -> list[dict]:
+    """Check that worker ``pid``'s local work and gradient messages on the thread of a
+    backward pass lie inside that pass (there are some); returns its send spans."""
+    spans = [e for e in events if e["ph"] == "X" and e["pid"] == pid]
+    passes = [e for e in spans if e["name"] == _engine.BACKWARD_SPAN]
+    assert passes, sorted({e["name"] for e in spans})
+    threads = {e["tid"] for e in passes}
+    inner = [
+        e
+        for e in spans
+        if e["tid"] in threads
+        and e["cat"] == "user_annotation"
+        and e["name"].startswith((_engine.LOCAL_WORK_SPAN, _engine.SEND_SPAN, _engine.RECEIVE_SPAN))
+    ]
+    assert inner
+    rounding = 0.002  # times in the trace are rounded to the ns
+    for e in inner:
+        assert any(
+            p["tid"] == e["tid"]
+            and p["ts"] - rounding <= e["ts"]
+            and e["ts"] + e["dur"] <= p["ts"] + p["dur"] + rounding
+            for p in passes
+        ), e
+    return [e for e in inner if e["name"].startswith(_engine.SEND_SPAN)]
+
+
 @pytest.mark.mpi(min_size=2)
 def test_the_merged_timeline_has_a_lane_per_worker_and_an_arrow_per_message(
     rpc_world, tmp_path_factory
@@ -238,6 +265,9 @@ def test_the_merged_timeline_has_a_lane_per_worker_and_an_arrow_per_message(
         assert (receipt["args"]["from"], receipt["args"]["to"]) == (start["pid"], end["pid"])
         kinds.add(start["name"])
     assert {"QUICK_REQUEST", "REQUEST", "RESPONSE", "GRADIENTS"} <= kinds, kinds
+    sends = assert_backward_spans_nest(events, 0)
+    assert {e["name"] for e in sends} == {f"{_engine.SEND_SPAN}(worker0 -> {world.peer()})"}
+    assert all(e["args"] == {"bytes": 2 * 2 * 4, "gradients": 1} for e in sends), sends
     png = f"{folder}/timeline.png"
     profiler.plot_timeline(path, png)
     with open(png, "rb") as f:
@@ -264,8 +294,151 @@ def test_the_profiled_lightning_pipeline_writes_a_timeline_of_both_ranks(tmp_pat
     assert result.code == 0, result.describe()
     with open(tmp_path / "pipeline_trace.json") as f:
         trace = json.load(f)
-    spans = {(e["pid"], e["name"].split("#")[0]) for e in trace["traceEvents"] if e["ph"] == "X"}
-    assert (0, "rpc_sync") in spans or (0, "rpc_async") in spans, sorted(spans)[:20]
-    assert (1, "rpc_serve") in spans, sorted(spans)[:20]
+    assert trace["otherData"]["workers"] == ["worker0", "worker1"]
+    names = [(e["pid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"]
+    # The example records steps 2 and 3: one forward RPC each.
+    forwards = "rpc_sync#_remote_forward(worker0 -> worker1)"
+    assert names.count((0, forwards)) == 2, sorted(set(names))[:40]
+    assert names.count((1, forwards.replace("rpc_sync", "rpc_serve"))) == 2
+    for pid in (0, 1):
+        assert (pid, f"{_engine.SEND_SPAN}(worker{pid} -> worker{1 - pid})") in names
     with open(tmp_path / "pipeline_timeline.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# --- Lightning -----------------------------------------------------------------------------
+
+
+def step_clock():
+    """A callback noting when each training step starts and ends on this rank
+    (``time.time_ns``, the clock of the traces), in its ``steps``."""
+    import lightning as L
+
+    class StepClock(L.Callback):
+        def __init__(self):
+            self.steps: dict[int, list[int]] = {}
+
+        def on_train_batch_start(self, trainer, *args):
+            self.steps[trainer.global_step] = [time.time_ns(), 0]
+
+        def on_train_batch_end(self, trainer, *args):
+            self.steps[trainer.global_step - 1][1] = time.time_ns()
+
+    return StepClock()
+
+
+def fit_pipeline(world, steps: int, **trainer_kwargs):
+    """Fit the pipeline example's model for ``steps`` steps, the last rank serving; the
+    Trainer (a serving rank's too)."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    sys.path.insert(0, str(REPO / "examples"))
+    import lightning_pipeline
+
+    from lightning_distgrad import DistAutogradStrategy
+
+    L.seed_everything(0, verbose=False)
+    data = lightning_pipeline.make_dataset(steps * 8 * (world.size - 1), seed=1)
+    trainer = L.Trainer(
+        strategy=DistAutogradStrategy(num_servers=1),
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        **trainer_kwargs,
+    )
+    trainer.fit(lightning_pipeline.PipelineModel(), DataLoader(data, batch_size=8))
+    return trainer
+
+
+@pytest.mark.mpi(min_size=2)
+def test_lightnings_pytorch_profiler_lists_the_rpcs_and_what_the_server_ran(rpc_world, tmp_path):
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    # Six steps: the profiler's default schedule records steps 3 to 5.
+    trainer = fit_pipeline(rpc_world, 6, profiler=PyTorchProfiler(dirpath=tmp_path, filename="p"))
+    if trainer.strategy.is_server:
+        return
+    server = rpc_world.size - 1
+    call = f"rpc_sync#_remote_forward({rpc_world.name} -> worker{server})"
+    events = trainer.profiler.function_events
+    assert [e.node_id for e in events if e.name == call] == [-1] * 3
+    remote = {e.name[len(call + REMOTE_OP) :]: e.node_id for e in events if e.is_remote}
+    assert {"aten::linear", "aten::tanh"} <= set(remote), sorted(remote)
+    assert set(remote.values()) == {server}
+    assert call in trainer.profiler.summary()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_timeline_callback_records_the_chosen_steps_on_every_rank(rpc_world, tmp_path_factory):
+    world = rpc_world
+    folder = world.comm.bcast(str(tmp_path_factory.mktemp("steps")) if world.rank == 0 else None)
+    clock = step_clock()  # before the timeline: a step's clock starts before its recording
+    timeline = profiler.TimelineCallback(f"{folder}/trace.json", start_step=2, num_steps=2)
+    fit_pipeline(world, 6, callbacks=[clock, timeline])
+    steps = world.comm.gather(clock.steps, root=0)
+    if world.rank != 0:
+        return
+    with open(f"{folder}/trace.json") as f:
+        trace = json.load(f)
+    events, other = trace["traceEvents"], trace["otherData"]
+    lanes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert lanes == dict(enumerate(world.names))
+    server, trainers = world.size - 1, range(world.size - 1)
+
+    def at(rank: int, time_ns: int) -> float:
+        """A time of ``rank``'s clock, in the trace's."""
+        return time_ns / 1000 - other["clock_offset_us"][rank] - other["start_unix_us"]
+
+    spans = [
+        e
+        for e in events
+        if e["ph"] == "X" and e["name"].startswith(("rpc_", "torch::distributed::autograd::"))
+    ]
+    forward = "_remote_forward"
+    for rank in trainers:
+        mine = [e for e in spans if e["pid"] == rank]
+        start, end = at(rank, steps[rank][2][0]), at(rank, steps[rank][3][1])
+        assert all(start <= e["ts"] and e["ts"] + e["dur"] <= end for e in mine), (start, end)
+        for step in (2, 3):  # one forward RPC in each step recorded
+            begin, finish = (at(rank, t) for t in steps[rank][step])
+            calls = [e for e in mine if forward in e["name"] and begin <= e["ts"] <= finish]
+            expected = f"rpc_sync#{forward}(worker{rank} -> {lanes[server]})"
+            assert [e["name"] for e in calls] == [expected]
+        assert_backward_spans_nest(events, rank)
+    # The server ran what the trainers asked for in those steps, and nothing else.
+    served = [e for e in spans if e["pid"] == server]
+    assert sorted(e["name"] for e in served if forward in e["name"]) == sorted(
+        f"rpc_serve#{forward}(worker{rank} -> {lanes[server]})" for rank in trainers for _ in (2, 3)
+    )
+    slack = other["clock_error_us"][server] + 1.0
+    first = min(at(rank, steps[rank][2][0]) for rank in trainers) - slack
+    last = max(at(rank, steps[rank][3][1]) for rank in trainers) + slack
+    assert all(first <= e["ts"] and e["ts"] + e["dur"] <= last for e in served)
+    assert any(e["name"].startswith(_engine.RECEIVE_SPAN) for e in served)
+
+
+def test_the_timeline_callback_rejects_a_bad_window_and_another_strategy(tmp_path):
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    for bad in ({"start_step": -1}, {"num_steps": 0}, {"start_step": 1.5}):
+        with pytest.raises(ValueError, match="must be an int"):
+            profiler.TimelineCallback(tmp_path / "t.json", **bad)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[profiler.TimelineCallback(tmp_path / "t.json")],
+    )
+    model = BoringModel()
+    with pytest.raises(TypeError, match="DistAutogradStrategy"):
+        trainer.fit(model)
