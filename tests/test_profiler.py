@@ -360,8 +360,14 @@ def fit_pipeline(world, steps: int, **trainer_kwargs):
 def test_lightnings_pytorch_profiler_lists_the_rpcs_and_what_the_server_ran(rpc_world, tmp_path):
     from lightning.pytorch.profilers import PyTorchProfiler
 
-    # Six steps: the profiler's default schedule records steps 3 to 5.
-    trainer = fit_pipeline(rpc_world, 6, profiler=PyTorchProfiler(dirpath=tmp_path, filename="p"))
+    # Six steps: the profiler's default schedule records steps 3 to 5. A timeline of step 4
+    # records at the same time (its trace is trainer 0's, at its path).
+    trainer = fit_pipeline(
+        rpc_world,
+        6,
+        profiler=PyTorchProfiler(dirpath=tmp_path, filename="p"),
+        callbacks=[profiler.TimelineCallback(tmp_path / "trace.json", 4, 1)],
+    )
     if trainer.strategy.is_server:
         return
     server = rpc_world.size - 1
@@ -372,6 +378,11 @@ def test_lightnings_pytorch_profiler_lists_the_rpcs_and_what_the_server_ran(rpc_
     assert {"aten::linear", "aten::tanh"} <= set(remote), sorted(remote)
     assert set(remote.values()) == {server}
     assert call in trainer.profiler.summary()
+    if rpc_world.rank == 0:
+        with open(tmp_path / "trace.json") as f:
+            names = [(e["pid"], e["name"]) for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+        for rank in range(server):
+            assert names.count((rank, call.replace("worker0", f"worker{rank}"))) == 1
 
 
 @pytest.mark.mpi(min_size=2)

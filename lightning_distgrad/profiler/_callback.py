@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.profilers import PyTorchProfiler
 from mpi4py import MPI
 
 from .. import rpc
@@ -38,10 +39,10 @@ class TimelineCallback(pl.Callback):
     The trace is :func:`~lightning_distgrad.profiler.profile`'s: one lane per rank, the
     serving ranks' included, clocks aligned, an arrow per message. Trainer 0 writes it
     to ``path``. On every trainer a ``torch.profiler.profile(**profiler_kwargs)`` records
-    the main thread during the window (left out where a profiler already records it,
-    e.g. Lightning's ``PyTorchProfiler``); every rank logs its RPCs, their runs and the
-    distributed backward's messages, on all threads. If training ends first, the trace
-    covers the steps that ran.
+    the main thread during the window, unless another torch profiler runs (Lightning's
+    ``PyTorchProfiler``, say: a process runs one at a time); every rank logs its RPCs,
+    their runs and the distributed backward's messages, on all threads. If training
+    ends first, the trace covers the steps that ran.
 
     Args:
         path: where trainer 0 writes the trace (JSON).
@@ -122,7 +123,10 @@ class TimelineCallback(pl.Callback):
             if agent.info.id == root
             else []
         )
-        kwargs = None if profiler_enabled() else self.profiler_kwargs
+        # One Kineto profiler per process: none of ours next to Lightning's (which may be
+        # between its recording phases now) or another one recording this thread.
+        lightnings = isinstance(trainer.profiler, PyTorchProfiler)
+        kwargs = None if lightnings or profiler_enabled() else self.profiler_kwargs
         self._recording = Recording(agent.comm, root, kwargs)
         self._recording.start()
         for future in futures:
