@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +32,8 @@ from ._errors import set_error
 from ._one_way import register_one_way
 from ._wire import Kind
 
+log = logging.getLogger("lightning_distgrad.rpc")
+
 #: torch's separator between a call's profiling key and the name of a remote event.
 REMOTE_OP_STR = "#remote_op: "
 #: Calls whose remote events wait for a Kineto profiler's results to be read (the oldest
@@ -38,10 +41,12 @@ REMOTE_OP_STR = "#remote_op: "
 MAX_UNREAD_CALLS = 20_000
 
 # -- Private torch APIs -------------------------------------------------------------
-# Every use of torch internals by the profiling code is in this block.
+# The torch internals that profiling relies on beyond those torch's own RPC code uses
+# (``record_function._call_end_callbacks_on_future``, ``torch.jit._builtins``).
 
-#: Whether a torch profiler records on this thread (a C call: cheap on every RPC). The
-#: public ``torch.autograd.profiler._is_profiler_enabled`` is process-wide, not per thread.
+#: Whether a torch profiler records on this thread (a C call: cheap on every RPC). It
+#: waits for a public per-thread query: ``torch.autograd.profiler._is_profiler_enabled``
+#: is a process-wide flag.
 profiler_enabled = torch._C._autograd._profiler_enabled
 
 
@@ -166,15 +171,20 @@ class Recorder:
         _local.recorder = self._outer
         if self._profile is None:
             return
-        self._profile.__exit__(None, None, None)
-        with self._lock:
+        try:
+            self._profile.__exit__(None, None, None)
             # The legacy profiler records this thread only: its events get this thread's
             # id, as the calls recorded by add() do.
-            self.events.extend(
+            own = [
                 (e.name, e.time_range.start, e.time_range.end, self.thread, self.node_id)
                 for e in self._profile.function_events
                 if e.name not in self._calls
-            )
+            ]
+        except Exception:  # the call's result stands; its caller lists fewer events
+            log.exception("lightning_distgrad: reading a callee's profile failed")
+            return
+        with self._lock:
+            self.events.extend(own)
 
     def add(self, key: str, start_ns: int, end_ns: int, duration_us: float, events: tuple) -> None:
         """A call made while recording, and its remote events."""
