@@ -152,6 +152,27 @@ def test_only_calls_made_under_a_profiler_ask_their_callee_to_record(rpc_world):
     assert profiled == {"PROFILED_REQUEST"}
 
 
+def test_remote_events_are_placed_inside_the_call_and_malformed_ones_dropped():
+    class Sink:
+        def __init__(self):
+            self.calls = []
+
+        def add(self, *args):
+            self.calls.append(args)
+
+    sink, key = Sink(), "rpc_sync#f(worker0 -> worker5)"
+    good = (("aten::add", 0.0, 40.0, 7, 5),)
+    for call_id, events in ((1, good), (2, (("aten::add", "soon", 40.0, 7, 5),)), (3, list(good))):
+        _profiling._expected[(5, call_id)] = (sink, key, 1_000)
+        _profiling._on_remote_events(5, _profiling.RemoteEvents(call_id, 40.0, events), [])
+    assert [(args[0], args[1], args[4]) for args in sink.calls] == [(key, 1_000, good)]
+    assert not [where for where in _profiling._expected if where[0] == 5]
+    # A call seen from 1 us to 101 us whose callee took 40 us: the callee's run is
+    # placed in the middle, the request and the response taking 30 us each.
+    placed = list(_profiling._placed(good, key, 1_000, 101_000, 40.0, 0))
+    assert placed == [(f"{key}{REMOTE_OP}aten::add", 31.0, 71.0, 7, 5)]
+
+
 def backward_events(prof) -> tuple[list, list]:
     """The profile's distributed backward events and the spans within them."""
     events = prof.events()

@@ -307,11 +307,34 @@ def expect_remote_events(dst: int, call_id: int, key: str, future: torch.futures
     return True
 
 
+def _well_formed(body: RemoteEvents) -> bool:
+    """Whether a REMOTE_EVENTS body holds what :class:`Recorder` sends (a profile must
+    never fail to read because of a frame)."""
+    number = (int, float)
+    return (
+        type(body.duration_us) in number
+        and type(body.events) is tuple
+        and all(
+            type(e) is tuple
+            and len(e) == 5
+            and type(e[0]) is str
+            and type(e[1]) in number
+            and type(e[2]) in number
+            and type(e[3]) is int
+            and type(e[4]) is int
+            for e in body.events
+        )
+    )
+
+
 def _on_remote_events(source: int, body: RemoteEvents, tensors: list) -> None:
     """A REMOTE_EVENTS frame, applied on arrival (before its call's response)."""
-    entry = _expected.pop((source, body.call_id), None)
+    entry = _expected.pop((source, body.call_id), None) if type(body.call_id) is int else None
     if entry is None:
         return  # the call is over (timed out): nobody lists its events
+    if not _well_formed(body):
+        log.error("lightning_distgrad: dropped malformed remote events from rank %d", source)
+        return
     sink, key, start_ns = entry
     sink.add(key, start_ns, time.time_ns(), body.duration_us, body.events)
 
