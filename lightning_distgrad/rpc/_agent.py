@@ -44,7 +44,14 @@ from ._errors import (
     timeout_error,
 )
 from ._one_way import HANDLERS
-from ._profiling import Recorder, expect_remote_events, profiling_key, recording, span
+from ._profiling import (
+    Recorder,
+    expect_remote_events,
+    profiling_key,
+    recording,
+    span,
+    span_until,
+)
 from ._transport import Transport
 from ._wire import (
     CALL_KINDS,
@@ -150,7 +157,8 @@ class Agent:
         """Send a request; returns the future of its response.
 
         ``operator``: ``func`` is a torch operator (no RPCs, no blocking). ``profiled``:
-        the call's profiling name, if spans are recorded (see ``_profiling``).
+        the call's profiling name while spans are recorded: the call is recorded under it
+        until its response (see :meth:`_send_profiled`).
         """
         payload, tensors, pctx = self._encode((func, args, kwargs), dst, func)
         # Everything that may reject the call runs before the call is registered and
@@ -170,12 +178,30 @@ class Agent:
             forks += tuple(arrival_forks)
         quick = operator and all(t.nbytes <= QUICK_LIMIT_BYTES for t in tensors)
         kind = Kind.QUICK_REQUEST if quick else Kind.REQUEST
-        if profiled is not None and expect_remote_events(dst.id, call_id, profiled, future):
-            kind = Kind.PROFILED_REQUEST
-        self.transport.send(
-            dst.id, Frame(kind, call_id, payload, (), meta, forks), tensors, devices
-        )
+        frame = Frame(kind, call_id, payload, (), meta, forks)
+        if profiled is not None:
+            return self._send_profiled(dst.id, frame, tensors, devices, future, profiled)
+        self.transport.send(dst.id, frame, tensors, devices)
         return future
+
+    def _send_profiled(
+        self,
+        dst_id: int,
+        frame: Frame,
+        tensors: list,
+        devices: list[str] | None,
+        future: torch.futures.Future,
+        name: str,
+    ) -> torch.futures.Future:
+        """Send a call recorded under ``name``; returns the future to give its caller.
+
+        When a profiler records this thread, the callee records the call too (a
+        PROFILED_REQUEST) and the caller's profiler lists what it recorded.
+        """
+        if expect_remote_events(dst_id, frame.call_id, name, future):
+            frame = frame._replace(kind=Kind.PROFILED_REQUEST)
+        self.transport.send(dst_id, frame, tensors, devices)
+        return span_until(name, future)
 
     def send_one_way(
         self, dst_id: int, kind: Kind, body: tuple, tensors: list[torch.Tensor] = ()

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ._agent import Agent, WorkerInfo
-from ._profiling import profiling_key, recording, span_until
+from ._profiling import profiling_key, recording
 
 #: Sentinel meaning "use the agent's default timeout" (torch uses -1.0 too).
 UNSET_RPC_TIMEOUT = -1.0
@@ -148,7 +148,7 @@ def invoke(
         # Python functions always carry the context: their result may need
         # grad even when no argument does (torch's forceGradRecording).
         force_autograd = not operator
-    future = agent.call(
+    return agent.call(
         dst,
         func,
         tuple(args or ()),
@@ -160,7 +160,6 @@ def invoke(
         operator=operator,
         profiled=name,
     )
-    return future if name is None else span_until(name, future)
 
 
 def wait(future: torch.futures.Future) -> Any:
