@@ -66,6 +66,7 @@ def test_rpcs_are_recorded_under_torchs_rpc_profiling_names(rpc_world):
         f"rpc_sync#aten::add({me} -> {peer})",
         f"rpc_async#double({me} -> {peer})",
         f"rpc_remote#aten::mul({me} -> {peer})",
+        f"to_here#({me})->({peer})",
         f"rpc_sync#_rref_fetch({me} -> {peer})",
     }
     assert expected <= keys, sorted(k for k in keys if k.startswith("rpc_"))
