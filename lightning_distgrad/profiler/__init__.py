@@ -3,9 +3,9 @@
 Inside ``torch.profiler.profile()`` the RPC layer records its calls under torch's
 RPC profiling names (``rpc_sync#aten::add(worker0 -> worker1)``, ``rpc_async#...``,
 ``rpc_remote#...``, ``to_here#(worker0)->(worker1)``), the callee's run of each request
-(``rpc_serve#...``), and the
-distributed backward pass (``torch::distributed::autograd::backward``, with a span for
-each stretch of local engine work and each gradient message sent and handled). The
+(``rpc_serve#...``), and the distributed backward pass
+(``torch::distributed::autograd::backward``, with a span for each stretch of local
+engine work and each gradient message sent and handled). The
 callee records each such call too and sends its events back: ``key_averages()`` on the
 caller lists them as torch's RPC profiling does (``rpc_sync#...#remote_op: aten::add``,
 ``node_id`` the callee's rank).
