@@ -45,7 +45,14 @@ from ._errors import (
     timeout_error,
 )
 from ._one_way import HANDLERS
-from ._profiling import profiling_key, recording, span
+from ._profiling import (
+    Recorder,
+    expect_remote_events,
+    profiling_key,
+    recording,
+    span,
+    span_until,
+)
 from ._transport import Transport
 from ._wire import (
     CALL_KINDS,
@@ -91,6 +98,7 @@ class Agent:
         on_arrival: Callable[[int, Frame], None],
         limits: FrameLimits,
     ):
+        self.comm = comm  # what the agent runs over: its ranks are the worker ids
         self.infos = infos
         self.info = infos[rank]
         self.by_name = {w.name: w for w in infos}
@@ -145,10 +153,13 @@ class Agent:
         force_autograd: bool,
         arrival_forks: list | None = None,
         operator: bool = False,
+        profiled: str | None = None,
     ) -> torch.futures.Future:
         """Send a request; returns the future of its response.
 
-        ``operator``: ``func`` is a torch operator (no RPCs, no blocking).
+        ``operator``: ``func`` is a torch operator (no RPCs, no blocking). ``profiled``:
+        the call's profiling name while spans are recorded: the call is recorded under it
+        until its response (see :meth:`_send_profiled`).
         """
         payload, tensors, pctx = self._encode((func, args, kwargs), dst, func)
         # Everything that may reject the call runs before the call is registered and
@@ -168,10 +179,30 @@ class Agent:
             forks += tuple(arrival_forks)
         quick = operator and all(t.nbytes <= QUICK_LIMIT_BYTES for t in tensors)
         kind = Kind.QUICK_REQUEST if quick else Kind.REQUEST
-        self.transport.send(
-            dst.id, Frame(kind, call_id, payload, (), meta, forks), tensors, devices
-        )
+        frame = Frame(kind, call_id, payload, (), meta, forks)
+        if profiled is not None:
+            return self._send_profiled(dst.id, frame, tensors, devices, future, profiled)
+        self.transport.send(dst.id, frame, tensors, devices)
         return future
+
+    def _send_profiled(
+        self,
+        dst_id: int,
+        frame: Frame,
+        tensors: list,
+        devices: list[str] | None,
+        future: torch.futures.Future,
+        name: str,
+    ) -> torch.futures.Future:
+        """Send a call recorded under ``name``; returns the future to give its caller.
+
+        When a profiler records this thread, the callee records the call too (a
+        PROFILED_REQUEST) and the caller's profiler lists what it recorded.
+        """
+        if expect_remote_events(dst_id, frame.call_id, name, future):
+            frame = frame._replace(kind=Kind.PROFILED_REQUEST)
+        self.transport.send(dst_id, frame, tensors, devices)
+        return span_until(name, future)
 
     def send_one_way(
         self, dst_id: int, kind: Kind, body: tuple, tensors: list[torch.Tensor] = ()
@@ -246,6 +277,8 @@ class Agent:
                 self._run_operator(source, frame, tensors)
             else:
                 self._run_request(source, frame, tensors)
+        elif kind is Kind.PROFILED_REQUEST:
+            self._submit(lambda: self._run_request(source, frame, tensors, Agent._call_profiled))
         else:
             self._on_one_way(source, frame, tensors)
 
@@ -409,9 +442,35 @@ class Agent:
             ),
         )
 
-    def _run_request(self, source: int, frame: Frame, tensors: list) -> None:
+    def _call_profiled(
+        self, source: int, frame: Frame, tensors: list
+    ) -> tuple[int | None, Callable, Any]:
+        """:meth:`_call` for a PROFILED_REQUEST: run under a :class:`Recorder`, whose events
+        go back in a REMOTE_EVENTS frame before the response (frames between two workers
+        arrive in the order they were sent, so the caller has them when its call returns)."""
+        recorder = Recorder(self.info.id)
+        send = functools.partial(self._send_remote_events, source, frame.call_id, recorder)
         try:
-            ctx_id, func, result = self._call(source, frame, tensors)
+            with recorder:
+                ctx_id, func, result = self._call(source, frame, tensors)
+        except BaseException:
+            send()
+            raise
+        if is_async_function(func) and isinstance(result, torch._C.Future):
+            return ctx_id, func, Recorder.after(result, send)
+        send()
+        return ctx_id, func, result
+
+    def _send_remote_events(self, dst: int, call_id: int, recorder: Recorder) -> None:
+        try:
+            self.send_one_way(dst, Kind.REMOTE_EVENTS, recorder.body(call_id))
+        except Exception:  # the call still gets its response; its caller lists no events
+            log.exception("lightning_distgrad: %s could not send remote events", self.info)
+
+    def _run_request(self, source: int, frame: Frame, tensors: list, call=_call) -> None:
+        """Run a REQUEST and answer it; ``call`` runs its function (default :meth:`_call`)."""
+        try:
+            ctx_id, func, result = call(self, source, frame, tensors)
         except BaseException as e:
             self._reply_error(source, frame.call_id, e)
             return
