@@ -1,9 +1,11 @@
-"""The RPC agent: calls and their responses, one-way messages, timeouts.
+"""The RPC agent: calls and their responses, the routing of arriving frames to
+the threads that handle them, one-way messages, timeouts.
 
 Frames are routed by their :class:`~._wire.Kind`:
 
 * REQUEST: ``(func, args, kwargs)``; the callee always answers with one
-  RESPONSE (a result or a remote error). It runs on the worker pool.
+  RESPONSE (a result or a remote error). It runs on the worker pool; the
+  agent's :class:`~._serving.Serving` runs and answers it.
 * QUICK_REQUEST: a torch operator on small tensors; it cannot issue RPCs or
   block, so it runs right where its frame is handed over.
 * RESPONSE: ``(ok, value)`` for one call id (no payload when the value is one
@@ -33,26 +35,12 @@ from typing import Any
 
 import torch
 
-from .._compat import CFuture
 from . import _devices, _hooks
 from ._calls import Deadlines, Pending, UserFuture, Waiter, future_done
-from ._errors import (
-    is_async_function,
-    not_importable,
-    rebuild_error,
-    remote_error,
-    set_error,
-    timeout_error,
-)
+from ._errors import rebuild_error, set_error, timeout_error
 from ._one_way import HANDLERS
-from ._profiling import (
-    Recorder,
-    expect_remote_events,
-    profiling_key,
-    recording,
-    span,
-    span_until,
-)
+from ._profiling import expect_remote_events, span_until
+from ._serving import Serving
 from ._transport import Transport
 from ._wire import (
     CALL_KINDS,
@@ -69,20 +57,6 @@ log = logging.getLogger("lightning_distgrad.rpc")
 
 #: Operators whose tensors are all at most this big run as QUICK_REQUESTs.
 QUICK_LIMIT_BYTES = 64 * 1024
-
-
-def _decode_and_call(payload: bytes, tensors: list, route: str) -> tuple[Callable, Any]:
-    """Run a request's function; returns (function, result). Under an active torch
-    profiler the run is recorded as ``rpc_serve#<function>(<route>)``."""
-    # Only the unpickling is wrapped: the function's own errors reach the caller as raised.
-    try:
-        func, args, kwargs = decode_payload(payload, tensors)
-    except (ImportError, AttributeError) as e:
-        raise not_importable(e) from e
-    if not recording():
-        return func, func(*args, **kwargs)
-    with span(profiling_key("serve", func, route)):
-        return func, func(*args, **kwargs)
 
 
 class Agent:
@@ -132,6 +106,14 @@ class Agent:
             transfer_timeout=transfer_timeout,
         )
         self._deadlines = Deadlines(self.transport, self._pending, self._expire_call)
+        self.serving = Serving(
+            infos,
+            self.info,
+            self.transport,
+            devices=self._devices,
+            send_one_way=self.send_one_way,
+            count_processed=self._count_processed,
+        )
         # Not started here: see :meth:`start`.
 
     def start(self) -> None:
@@ -266,7 +248,7 @@ class Agent:
         if kind is Kind.RESPONSE:
             self._on_response(source, frame, tensors)
         elif kind is Kind.REQUEST:
-            self._submit(lambda: self._run_request(source, frame, tensors))
+            self._submit(lambda: self.serving.run_request(source, frame, tensors))
         elif kind is Kind.JOIN:
             with self._joined_changed:
                 self._joined.add(source)
@@ -274,11 +256,11 @@ class Agent:
             self._count_processed()
         elif kind is Kind.QUICK_REQUEST:
             if frame.body is None:
-                self._run_operator(source, frame, tensors)
+                self.serving.run_operator(source, frame, tensors)
             else:
-                self._run_request(source, frame, tensors)
+                self.serving.run_request(source, frame, tensors)
         elif kind is Kind.PROFILED_REQUEST:
-            self._submit(lambda: self._run_request(source, frame, tensors, Agent._call_profiled))
+            self._submit(lambda: self.serving.run_request(source, frame, tensors, profiled=True))
         else:
             self._on_one_way(source, frame, tensors)
 
@@ -344,7 +326,7 @@ class Agent:
         frame = error.frame
         sender = self.infos[source].name if 0 <= source < len(self.infos) else "?"
         if frame is not None and frame.kind in CALL_KINDS and frame.call_id >= 0:
-            self._reply_error(
+            self.serving.reply_error(
                 source,
                 frame.call_id,
                 RuntimeError(
@@ -417,134 +399,6 @@ class Agent:
             future.completion = complete  # applied once that thread stopped polling
         else:
             self._callbacks.submit(complete)
-
-    # -- serving --------------------------------------------------------------------
-
-    def _route(self, source: int) -> str:
-        return f"{self.infos[source].name} -> {self.info.name}"
-
-    def _call(self, source: int, frame: Frame, tensors: list) -> tuple[int | None, Callable, Any]:
-        """Run the function of a REQUEST; returns (context id, function, result)."""
-        hooks = _hooks.get()
-        ctx_id = hooks.context_of(frame.body)
-        tensors = hooks.incoming(frame.body, source, tensors)
-        # Grad mode is thread-local: a request runs with it on, as on a fresh
-        # server thread, whichever thread handed its frame over.
-        return (
-            ctx_id,
-            *hooks.call_in(
-                ctx_id,
-                _hooks.with_grad,
-                _decode_and_call,
-                frame.payload,
-                tensors,
-                self._route(source),
-            ),
-        )
-
-    def _call_profiled(
-        self, source: int, frame: Frame, tensors: list
-    ) -> tuple[int | None, Callable, Any]:
-        """:meth:`_call` for a PROFILED_REQUEST: run under a :class:`Recorder`, whose events
-        go back in a REMOTE_EVENTS frame before the response (frames between two workers
-        arrive in the order they were sent, so the caller has them when its call returns)."""
-        recorder = Recorder(self.info.id)
-        send = functools.partial(self._send_remote_events, source, frame.call_id, recorder)
-        try:
-            with recorder:
-                ctx_id, func, result = self._call(source, frame, tensors)
-        except BaseException:
-            send()
-            raise
-        if is_async_function(func) and isinstance(result, torch._C.Future):
-            return ctx_id, func, Recorder.after(result, send)
-        send()
-        return ctx_id, func, result
-
-    def _send_remote_events(self, dst: int, call_id: int, recorder: Recorder) -> None:
-        try:
-            self.send_one_way(dst, Kind.REMOTE_EVENTS, recorder.body(call_id))
-        except Exception:  # the call still gets its response; its caller lists no events
-            log.exception("lightning_distgrad: %s could not send remote events", self.info)
-
-    def _run_request(self, source: int, frame: Frame, tensors: list, call=_call) -> None:
-        """Run a REQUEST and answer it; ``call`` runs its function (default :meth:`_call`)."""
-        try:
-            ctx_id, func, result = call(self, source, frame, tensors)
-        except BaseException as e:
-            self._reply_error(source, frame.call_id, e)
-            return
-        if not is_async_function(func):
-            self._reply(source, frame.call_id, True, result, ctx_id)
-        # CFuture: ``then()`` and ``collect_all()`` return the C base class, which async
-        # functions commonly return.
-        elif isinstance(result, CFuture):
-            result.add_done_callback(lambda f: self._reply_future(source, frame.call_id, f, ctx_id))
-        else:
-            self._reply_error(
-                source,
-                frame.call_id,
-                TypeError(
-                    "Functions decorated with @rpc.async_function must return a "
-                    f"torch.futures.Future object, but got {type(result)}"
-                ),
-            )
-
-    def _run_operator(self, source: int, frame: Frame, tensors: list) -> None:
-        """A torch operator with no autograd context: :meth:`_run_request` minus the
-        hooks (nothing to record, no context to switch: an operator makes no RPCs)."""
-        try:
-            _, result = _hooks.with_grad(
-                _decode_and_call, frame.payload, tensors, self._route(source)
-            )
-        except BaseException as e:
-            self._reply_error(source, frame.call_id, e)
-            return
-        self._reply(source, frame.call_id, True, result)
-
-    def _reply_future(self, dst: int, call_id: int, future: torch.futures.Future, ctx_id) -> None:
-        try:
-            value = future.wait()
-        except BaseException as e:
-            self._reply_error(dst, call_id, e)
-        else:
-            self._reply(dst, call_id, True, value, ctx_id)
-
-    def _reply(self, dst: int, call_id: int, ok: bool, value: Any, ctx_id=None) -> None:
-        try:
-            if ok and type(value) is torch.Tensor and value.layout == torch.strided:
-                # The usual result, one plain tensor, needs no pickle: its frame has
-                # no payload.
-                payload, tensors, pctx = None, [value], None
-            else:
-                payload, tensors, pctx = encode_payload((ok, value), dst)
-            # Inside the try: a refused result tensor becomes an error response, so
-            # every request gets exactly one response.
-            devices = self._devices(tensors, dst, reply=True)
-            # A response is recorded in its request's context only, never in
-            # whatever context the replying thread happens to be in.
-            recorded = ok and ctx_id is not None
-            meta = _hooks.get().outgoing(dst, tensors, False, ctx_id) if recorded else None
-        except BaseException as e:
-            if not ok:
-                raise
-            self._reply_error(dst, call_id, e)
-            return
-        forks = ()
-        if pctx is not None:
-            pctx.commit()
-            forks = tuple(pctx.arrival_forks)
-        self.transport.send(
-            dst, Frame(Kind.RESPONSE, call_id, payload, (), meta, forks), tensors, devices
-        )
-        self._count_processed()
-
-    def _reply_error(self, dst: int, call_id: int, exc: BaseException) -> None:
-        exc_type, msg = remote_error(exc, self.info)
-        try:
-            self._reply(dst, call_id, False, (exc_type, msg))
-        except Exception:  # an unpicklable exception type: keep the text
-            self._reply(dst, call_id, False, (RuntimeError, msg))
 
     # -- waiting --------------------------------------------------------------------
 

@@ -98,7 +98,7 @@ _local = _Local()
 
 
 class Recorder:
-    """Records a PROFILED_REQUEST on its callee (see :meth:`Agent._call_profiled`).
+    """Records a PROFILED_REQUEST on its callee (see :meth:`Serving._call_profiled`).
 
     Inside ``with recorder:`` torch's legacy profiler records this thread (Kineto allows
     one profiler per process; the legacy one is per thread), unless a profiler records
