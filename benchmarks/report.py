@@ -1,23 +1,19 @@
-"""All results in one table and one plot (``results/summary.png``), and the README's
-section between ``<!-- results:start -->`` and ``<!-- results:end -->`` (the latency rows
-and every row with a target), from ``results/*.json`` of every MPI library and node count.
-"""
+"""All of ``results/*.json`` in one table, one plot and the README's results section."""
 
 import argparse
 import json
 import os
 import re
-from pathlib import Path
 
 from _harness import RESULTS, fmt, mpi_name, plot, table
 
 ORDER = ["rpc_latency", "bandwidth", "design_note", "scaling", "param_server", "smart"]
+README = RESULTS.parents[1] / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
 def load() -> tuple[list[dict], list[dict]]:
-    """The result documents, and their rows (with ``figure`` and ``mpi``), a row under
-    each MPI library and node count side by side."""
+    """The result documents, and their rows (with ``figure`` and ``mpi``) in figure order."""
     docs = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
     rows = []
     for d in docs:
@@ -41,10 +37,7 @@ def machine(docs: list[dict]) -> str:
 
 
 def markdown(rows: list[dict], docs: list[dict], image: str) -> str:
-    lines = [
-        "| figure | MPI | ours | anchor | ours / anchor | target |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines = ["| figure | MPI | ours | anchor | ours / anchor | target |", "|" + "---|" * 6]
     for r in (r for r in rows if r["target"] or r["figure"] == "rpc_latency"):
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3g}"
         verdict = "" if r["ok"] is None else (" met" if r["ok"] else " missed")
@@ -58,22 +51,20 @@ def markdown(rows: list[dict], docs: list[dict], image: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--readme", type=Path, default=RESULTS.parents[1] / "README.md")
-    args = ap.parse_args()
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help only
     docs, rows = load()
     if not docs:
         raise SystemExit(f"no results in {RESULTS}: run the benchmark scripts first")
     print(table(rows, label))
     png = RESULTS / "summary.png"
     plot(rows, png, f"ours / anchor on {machine(docs)}", label)
-    text = args.readme.read_text() if args.readme.exists() else ""
+    text = README.read_text() if README.exists() else ""
     if START not in text or END not in text:
-        raise SystemExit(f"wrote {png}; {args.readme} has no {START} ... {END} section")
-    image = os.path.relpath(png, args.readme.resolve().parent)
+        raise SystemExit(f"wrote {png}; {README} has no {START} ... {END} section")
+    image = os.path.relpath(png, README.resolve().parent)
     section = f"{START}\n{markdown(rows, docs, image)}\n{END}"
-    args.readme.write_text(re.sub(f"{START}.*?{END}", lambda _: section, text, flags=re.S))
-    print(f"wrote {png} and the results section of {args.readme}")
+    README.write_text(re.sub(f"{START}.*?{END}", lambda _: section, text, flags=re.S))
+    print(f"wrote {png} and the results section of {README}")
 
 
 if __name__ == "__main__":
