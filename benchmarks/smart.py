@@ -82,7 +82,7 @@ def measure(comm, args) -> tuple[list[dict] | None, dict]:
                     times[v] += sample(fn, 1, warmup=0)
             smart = median(times.pop("SMART")[20:])  # the first 20 rounds warm up
             for v, t in times.items():
-                target = ("<=", 1.1) if v == "strict" else None
+                target = ("<=", 1.05) if v == "strict" else None
                 rows.append(row(f"{name}, SMART", smart, median(t[20:]), v, "s", target))
         return rows, {}
 
