@@ -101,10 +101,9 @@ def test_the_callees_events_come_back_as_torchs_remote_events(rpc_world):
         "aten::sigmoid",
     }
     assert expected <= local_names & remote_names, sorted(remote_names)
-    # The callee's run of the call (its serve span) lies within the caller's span of it.
-    (call,) = [e for e in prof.events() if e.name == udf_key]
+    # The callee's run of the call comes back as one serve span of its own.
     (serve,) = found[f"{udf_key}{REMOTE_OP}rpc_serve#ops_in_a_block({me} -> {peer})"]
-    assert 0 < serve.time_range.elapsed_us() <= call.time_range.elapsed_us()
+    assert serve.time_range.elapsed_us() > 0
     # key_averages lists remote time as torch's RPC profiling does.
     averages = {e.key: e for e in prof.key_averages()}
     assert averages[f"{add_key}{REMOTE_OP}aten::add"].node_id == peer_rank
