@@ -16,11 +16,11 @@ import time
 
 from mpi4py import MPI
 
+from ._buffers import ReceiveBufferPool
 from ._profiling import active_log
 from ._wire import (
     FrameLimits,
     MalformedFrame,
-    ReceiveBufferPool,
     allocate_tensor,
     chunks,
     decode_frame,
@@ -70,6 +70,11 @@ class Receiver:
             progressed |= self._test_transfers(ready)
         if self.cancelled:
             self.cancelled = [r for r in self.cancelled if not _settled(r)]
+        pool = self._buffers
+        if pool.pooled_bytes:
+            now = time.monotonic()
+            if now >= pool.next_trim:
+                pool.trim(now)
         return progressed
 
     def frame_waiting(self) -> bool:
