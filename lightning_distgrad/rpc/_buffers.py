@@ -2,7 +2,8 @@
 
 A fresh big buffer costs page faults on first touch, as much as moving its
 bytes; a pooled one costs nothing. Big buffers sit on transparent huge pages:
-a single copy into or out of them (MPICH's CMA) walks 512 times fewer pages.
+a single copy into or out of them (MPICH's CMA pull, or a pushing sender, see
+``_push``) walks 512 times fewer pages.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import time
 
 import numpy as np
+import torch
 
 __all__ = ["ReceiveBufferPool"]
 
@@ -50,7 +52,8 @@ class ReceiveBufferPool:
     is free again exactly when its reference count drops back to the pool's own
     reference. At most ``max_bytes`` are pooled (free buffers of other sizes make
     room for a new one); a buffer free for ``idle_s`` is released by
-    :meth:`trim`. Not thread-safe: the transport calls it under its MPI lock.
+    :meth:`trim`. Not thread-safe: the transport calls it under its MPI lock,
+    except :meth:`owns`.
 
     Example::
         >>> pool = ReceiveBufferPool(min_bytes=1 << 20, max_bytes=8 << 20)
@@ -74,6 +77,9 @@ class ReceiveBufferPool:
         self.pooled_bytes = 0
         #: When :meth:`trim` has something to do at the earliest (inf: the pool is empty).
         self.next_trim = math.inf
+        # (start, end) address of every pooled buffer, replaced whole on each change: any
+        # thread may read it without the lock (see :meth:`owns`).
+        self._ranges: tuple[tuple[int, int], ...] = ()
         # Per size: [buffer, when it was last seen in use].
         self._by_size: dict[int, list[list]] = collections.defaultdict(list)
 
@@ -91,7 +97,14 @@ class ReceiveBufferPool:
             self._by_size[nbytes].append([buf, now])
             self.pooled_bytes += nbytes
             self.next_trim = min(self.next_trim, now + self.idle_s)
+            start = buf.ctypes.data
+            self._ranges += ((start, start + nbytes),)
         return buf
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s bytes lie in a pooled buffer (safe from any thread)."""
+        ptr = t.data_ptr()
+        return any(start <= ptr < end for start, end in self._ranges)
 
     def trim(self, now: float) -> None:
         """Free the buffers no tensor used for ``idle_s`` (call now and then)."""
@@ -113,6 +126,9 @@ class ReceiveBufferPool:
                 self._by_size[nbytes] = kept
             else:
                 del self._by_size[nbytes]
+        self._ranges = tuple(
+            (e[0].ctypes.data, e[0].ctypes.data + n) for n, es in self._by_size.items() for e in es
+        )
 
 
 def _unused(entry: list) -> bool:

@@ -97,7 +97,7 @@ class Frame(NamedTuple):
     kind: Kind
     call_id: int  # REQUEST and RESPONSE; -1 for one-way kinds
     payload: bytes | None  # None: a RESPONSE whose value is its one tensor
-    # One (dtype code, shape, nbytes, inline bytes or None, device) per tensor.
+    # One (dtype code, shape, nbytes, inline bytes or None or PUSHED, device) per tensor.
     metas: tuple = ()
     # A call's distributed-autograd metadata, or a one-way kind's typed body (sent as a
     # plain tuple).
@@ -216,6 +216,8 @@ def _meta_problem(meta: Any, limits: FrameLimits) -> str | None:
             f"({_size(limits.max_message_bytes)}); raise it with "
             "MPIRpcBackendOptions(max_message_bytes=...) on the receiver"
         )
+    if inline is PUSHED:
+        return None
     if inline is not None and (type(inline) not in (bytes, bytearray) or len(inline) != nbytes):
         return f"its inline bytes do not match the declared {nbytes} bytes"
     if type(device) is not str or device not in limits.devices:
@@ -334,6 +336,10 @@ _ITEMSIZES = tuple(dtype.itemsize for dtype in _DTYPES)
 DTYPE_TABLE = tuple(str(dtype) for dtype in _DTYPES)
 
 
+#: A meta's inline slot for a tensor whose sender writes its bytes into the receiver's
+#: buffer (see ``_push``); ``None`` there: they follow on the ``data`` communicator.
+PUSHED = True
+
 #: Tensor bytes go in chunks of at most 1 GiB: portable beyond MPI-4 large counts.
 CHUNK_BYTES = 1 << 30
 
@@ -384,7 +390,7 @@ def allocate_tensor(meta: tuple, pool: ReceiveBufferPool | None = None) -> torch
     """A CPU tensor for ``meta``: filled from the frame, or empty for MPI to fill."""
     code, shape, nbytes, inline, _ = meta
     dtype = _DTYPES[code]
-    if inline is not None:
+    if inline is not None and inline is not PUSHED:
         if not nbytes:
             return torch.empty(shape, dtype=dtype)
         flat = torch.frombuffer(inline, dtype=dtype)
