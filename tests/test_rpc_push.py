@@ -19,7 +19,7 @@ from lightning_distgrad import rpc
 from lightning_distgrad.rpc import _core, _push, _wire
 from lightning_distgrad.rpc._wire import PUSHED, FrameLimits, Kind
 
-pytestmark = pytest.mark.mpi(min_size=2)
+mpi = pytest.mark.mpi(min_size=2)
 
 FLOAT32 = _wire._DTYPE_CODES[torch.float32]
 N = _push.PUSH_MIN_BYTES // 4  # float32 elements of the smallest pushed tensor
@@ -56,6 +56,18 @@ def writes(monkeypatch):
     return written
 
 
+def test_which_tensors_are_pushed(monkeypatch):
+    mib = 1 << 20
+    assert not _push.should_push(mib - 1, False)  # small: pulled
+    assert _push.should_push(mib, False) and _push.should_push(64 * mib, False)
+    assert not _push.should_push(4 * mib, True)  # a receive buffer: pulled
+    # Where torch puts its tensors on huge pages, big ones are pulled too.
+    monkeypatch.setattr(_push, "TORCH_HUGE_PAGES", True)
+    assert _push.should_push(_push.PULL_MIN_BYTES - 1, False)
+    assert not _push.should_push(_push.PULL_MIN_BYTES, False)
+
+
+@mpi
 def test_big_tensors_are_pushed_and_arrive_exactly(rpc_world, transport, writes):
     g = torch.Generator().manual_seed(rpc_world.rank)
     raw = torch.randint(0, 256, (4 * N + 12,), dtype=torch.uint8, generator=g)
@@ -70,6 +82,7 @@ def test_big_tensors_are_pushed_and_arrive_exactly(rpc_world, transport, writes)
     assert sorted(writes) == sorted([raw.numel(), N * 3 * 4])
 
 
+@mpi
 def test_a_tensor_moved_many_times_stays_exact(rpc_world, transport):
     t = make(N + 1, 1.0)
     for _ in range(5):
@@ -77,6 +90,7 @@ def test_a_tensor_moved_many_times_stays_exact(rpc_world, transport):
     assert torch.equal(t, make(N + 1, 1.0) + 5)
 
 
+@mpi
 def test_a_refused_push_fails_the_call_and_ends_on_the_sender(rpc_world, transport):
     """A receiver that refuses the message answers the clear-to-send with a refusal: the
     sender writes nothing, and its send is over."""
@@ -136,6 +150,7 @@ def _done(transport, peer: int, tag: int, outcome: int) -> None:
         transport.push.Isend([np.array([outcome], dtype=np.int64), MPI.BYTE], peer, tag).Wait()
 
 
+@mpi
 def test_bytes_written_by_hand_arrive(rpc_world, transport):
     """The protocol as a sender runs it: clear-to-send, write, DONE."""
     peer = rpc_world.peer_rank()
@@ -151,6 +166,7 @@ def test_bytes_written_by_hand_arrive(rpc_world, transport):
     assert torch.equal(future.wait(), values)
 
 
+@mpi
 def test_a_failed_write_fails_the_call_saying_why(rpc_world, transport):
     peer = rpc_world.peer_rank()
     future, (cts, done) = _pushed_request(transport, rpc_world, 4 * N)
@@ -160,6 +176,7 @@ def test_a_failed_write_fails_the_call_saying_why(rpc_world, transport):
         future.wait()
 
 
+@mpi
 def test_a_push_never_written_is_abandoned_and_its_buffer_kept_until_done(
     rpc_world, transport, monkeypatch
 ):
@@ -186,6 +203,7 @@ def test_a_push_never_written_is_abandoned_and_its_buffer_kept_until_done(
     rpc_world.barrier()
 
 
+@mpi
 def test_a_sender_without_clear_to_send_gives_up_at_its_deadline(rpc_world, transport, caplog):
     """A frame the receiver cannot read gets no clear-to-send: the sender's push ends at
     the transfer deadline (DONE says it gave up) instead of holding its send forever."""

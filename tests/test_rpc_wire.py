@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 import pickle
+import re
 import time
 
+import pytest
 import torch
 
 from lightning_distgrad.rpc import _wire
@@ -64,6 +67,28 @@ def test_pooled_buffers_start_on_a_page_boundary():
         t = _received(pool, n)
         assert t.data_ptr() % 4096 == 0
         assert t.numel() * t.element_size() == n // 4 * 4
+
+
+def _mapping_of(address: int) -> tuple[str, str]:
+    """(permissions, VmFlags) of this process's mapping that holds ``address``."""
+    with open("/proc/self/smaps") as f:
+        blocks = re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", f.read())
+    for block in blocks:
+        span, perms = block.split()[:2]
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return perms, re.search(r"VmFlags:(.*)", block).group(1).split()
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only")
+def test_big_receive_buffers_are_private_mappings_advised_for_huge_pages():
+    # A single copy into them walks 2 MiB pages; a shared mapping would get none.
+    pool = ReceiveBufferPool(min_bytes=MIB, max_bytes=64 * MIB)
+    for n in (MIB, 3 * MIB + 4):
+        t = _received(pool, n)
+        perms, flags = _mapping_of(t.data_ptr())
+        assert perms == "rw-p" and "hg" in flags, (perms, flags)
 
 
 def test_pool_stays_within_its_budget():

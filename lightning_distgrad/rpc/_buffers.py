@@ -41,7 +41,9 @@ POOL_IDLE_S = 10.0
 #: Pooled receive buffers start on a page boundary: MPICH's single-copy (CMA)
 #: path fills misaligned buffers several times slower.
 BUFFER_ALIGN = 4096
-#: Receive buffers this big are backed by transparent huge pages.
+#: Receive buffers this big are backed by transparent huge pages (rounded up to whole
+#: ones: a buffer of 1 MiB takes a 2 MiB page).
+HUGE_MIN_BYTES = 1 << 20
 HUGE_PAGE_BYTES = 2 << 20
 
 
@@ -138,12 +140,14 @@ def _unused(entry: list) -> bool:
 
 def _aligned_empty(nbytes: int, align: int = BUFFER_ALIGN) -> np.ndarray:
     """An uninitialised uint8 array whose data starts at a multiple of ``align``; from
-    HUGE_PAGE_BYTES on, a mapping of its own that asks for transparent huge pages."""
-    if nbytes >= HUGE_PAGE_BYTES and align <= mmap.PAGESIZE:
-        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    HUGE_MIN_BYTES on, a mapping of its own that asks for transparent huge pages."""
+    if nbytes >= HUGE_MIN_BYTES and align <= mmap.PAGESIZE:
+        size = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         with contextlib.suppress(AttributeError, OSError):  # no THP: 4 KiB pages
             mapping.madvise(mmap.MADV_HUGEPAGE)
-        return np.frombuffer(mapping, dtype=np.uint8)  # unmapped with the last view
+        # Unmapped once the last view is gone.
+        return np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
     raw = np.empty(nbytes + align, dtype=np.uint8)
     start = -raw.ctypes.data % align
     return raw[start : start + nbytes]

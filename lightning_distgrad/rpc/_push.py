@@ -4,12 +4,12 @@ MPICH moves a big message between ranks of one node with one copy made by the
 *receiver* (CMA: ``process_vm_readv`` from the sender's memory). The kernel then
 walks the sender's pages one by one; torch's tensors sit on 4 KiB pages, and
 that copy runs at half the speed it reaches from huge pages. Receive buffers of
-this transport are huge-page backed (see ``_wire.ReceiveBufferPool``), so the
-sender writes into them (``process_vm_writev``) and the kernel walks a few
-huge pages instead. A tensor of at least :data:`PUSH_MIN_BYTES` that is not
-itself a receive buffer (the receiver's pull from those is the fastest copy)
-travels like this, between ranks of one node that passed a write probe when
-the transport started (:func:`writable_peers`):
+this transport are huge-page backed (see ``_buffers``), so the sender writes
+into them (``process_vm_writev``) and the kernel walks a few huge pages
+instead. Tensors from :data:`PUSH_MIN_BYTES` on travel like this, except those
+already on huge pages, which the receiver pulls fastest (:func:`should_push`),
+between ranks of one node that passed a write probe when the transport started
+(:func:`writable_peers`):
 
 1. its frame marks it :data:`~._wire.PUSHED` (no bytes follow on ``data``);
 2. the receiver allocates the buffers and answers with a clear-to-send holding
@@ -37,9 +37,21 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-#: Tensors at least this big are pushed (smaller receive buffers are not huge-page
-#: backed, and the extra control messages would cost more than the copy saves).
-PUSH_MIN_BYTES = 2 << 20
+#: Tensors at least this big are pushed (smaller receive buffers are neither pooled nor
+#: huge-page backed: the two control messages would cost more than the copy saves).
+PUSH_MIN_BYTES = 1 << 20
+#: Tensors on huge pages at least this big are pulled (MPI) instead: beyond the cache,
+#: the receiver's copy out of huge pages beats a write into them (22 vs 14 GB/s at
+#: 64 MiB); below it the write wins.
+PULL_MIN_BYTES = 16 << 20
+#: Whether torch puts big CPU tensors on huge pages (as torch reads its variable).
+TORCH_HUGE_PAGES = os.environ.get("THP_MEM_ALLOC_ENABLE", "").lower() in (
+    "1",
+    "on",
+    "true",
+    "yes",
+    "y",
+)
 #: Set to "0" to move every tensor with MPI (the receiver's pull).
 PUSH_ENV = "LIGHTNING_DISTGRAD_PUSH"
 
@@ -108,6 +120,18 @@ def writable_peers(comm: MPI.Comm) -> dict[int, int]:
         return peers
     finally:
         node.Free()
+
+
+def should_push(nbytes: int, receive_buffer: bool) -> bool:
+    """Whether a tensor of ``nbytes`` to a writable peer is pushed rather than pulled.
+
+    A receive buffer is pulled: it sits on huge pages, and its sender (a request's
+    handler) has no thread polling for the clear-to-send at once. So are torch's own
+    tensors from :data:`PULL_MIN_BYTES` on when torch puts them on huge pages.
+    """
+    if nbytes < PUSH_MIN_BYTES or receive_buffer:
+        return False
+    return not (TORCH_HUGE_PAGES and nbytes >= PULL_MIN_BYTES)
 
 
 def push_tags(tag: int, tag_mod: int) -> tuple[int, int]:

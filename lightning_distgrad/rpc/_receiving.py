@@ -148,8 +148,7 @@ class Receiver:
         if log is not None:
             log.received(frame.kind.name, source, tag, len(raw) + sum(m[2] for m in frame.metas))
         tensors = []
-        requests = []
-        sizes = []
+        pulled = []  # views MPI fills, in the order their sender posted them
         pushed = []
         try:
             for meta in frame.metas:
@@ -157,20 +156,24 @@ class Receiver:
                 tensors.append(t)
                 if meta[3] is None:  # not inline: the bytes follow on ``data``
                     self.received_from[source][1] += meta[2]
-                    for chunk in chunks(tensor_bytes_view(t)):
-                        requests.append(self.data.Irecv([chunk, MPI.BYTE], source, tag))
-                        sizes.append(chunk.size)
+                    pulled.append(tensor_bytes_view(t))
                 elif meta[3] is PUSHED:
                     self.received_from[source][1] += meta[2]
                     pushed.append(tensor_bytes_view(t))
         except MemoryError:
-            self._abandon(requests)
             raise MalformedFrame("no memory for its tensors", frame) from None
         push = None
         if pushed:
             push = PushReceive(self.push, source, push_tags(tag, self.tag_mod), pushed)
-            requests += push.requests
             self.answered.append(source)
+        requests = []
+        sizes = []
+        for view in pulled:
+            for chunk in chunks(view):
+                requests.append(self.data.Irecv([chunk, MPI.BYTE], source, tag))
+                sizes.append(chunk.size)
+        if push is not None:
+            requests += push.requests
         # Frames from one source are handed over in the order they came: one whose
         # bytes are still arriving holds back the later ones.
         if requests or any(item.source == source for item in self.incoming):

@@ -48,7 +48,7 @@ from .._mpi_wait import NAP_MAX_S, nap_until
 from ._abort import abort_mpi_job
 from ._doorbell import Backoff, node_doorbell
 from ._profiling import active_log
-from ._push import PUSH_MIN_BYTES, PushSend, push_tags, writable_peers
+from ._push import PushSend, push_tags, should_push, writable_peers
 from ._receiving import Receiver
 from ._wire import (
     PUSHED,
@@ -198,8 +198,7 @@ class Transport:
         for i, t in enumerate(tensors):
             meta, data = prepare_tensor(t, devices[i] if devices else "cpu")
             if data is not None:
-                # Receive buffers are huge-page backed: the receiver's pull is fastest.
-                if push and data.nbytes >= PUSH_MIN_BYTES and not self._receiver.owns(data):
+                if push and should_push(data.nbytes, self._receiver.owns(data)):
                     meta = (*meta[:3], PUSHED, meta[4])
                     pushed.append(data)
                 else:
