@@ -1,18 +1,12 @@
-"""The benchmarks' shared harness: timing, the two RPC stacks, result rows, JSON, table, plot.
-
-A figure is a list of rows: a value of ours beside its anchor measured in the same run,
-their ratio and the target that ratio must meet. Nothing here imports MPI at module
-level: a driver that starts jobs (``launch``) must not initialise it.
-"""
-
-from __future__ import annotations
+"""The benchmarks' shared harness: a figure is a list of ``row``s. Nothing here imports MPI
+at module level: a driver that starts jobs (``drive``) must not initialise it."""
 
 import argparse
 import json
 import operator
 import os
-import platform
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -27,28 +21,22 @@ LOAD_AT_START = os.getloadavg()
 _OPS = {"<=": operator.le, ">=": operator.ge}
 warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")  # torch's RPC start-up
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when torch first runs an operator
+os.environ["MPLBACKEND"] = "Agg"  # plots are files only
 
 
-def parse(description: str, *options: tuple) -> argparse.Namespace:
-    """``--quick``, ``--out`` and the ``(flags, kwargs)`` options given.
-
-    >>> parse("demo", (["--reps"], {"type": int, "default": 3})).reps  # doctest: +SKIP
-    3
-    """
-    ap = argparse.ArgumentParser(description=description)
+def parse(doc: str, **options: dict) -> argparse.Namespace:
+    """``--quick``, ``--out`` and ``options`` (``max_bytes={...}`` adds ``--max-bytes``)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
     ap.add_argument("--out", type=Path, help="result file (default: results/<name>.json)")
-    for flags, kwargs in options:
-        ap.add_argument(*flags, **kwargs)
+    for name, kwargs in options.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", **kwargs)
     return ap.parse_args()
 
 
-def world(script: str, ranks: int | None = None):
-    """A duplicate of ``COMM_WORLD`` for ``script``, which needs exactly ``ranks`` ranks
-    (None: two or more); torch on one thread.
-
-    >>> comm = world("rpc_latency", 2)  # doctest: +SKIP
-    """
+def run(name: str, ranks: int | None, measure, args: argparse.Namespace) -> None:
+    """``measure(comm, args) -> (rows, extra)`` on ``COMM_WORLD`` of ``ranks`` ranks (None:
+    two or more), torch on one thread; rank 0 writes what it returns as ``name``'s result."""
     import torch
     from mpi4py import MPI
 
@@ -56,13 +44,21 @@ def world(script: str, ranks: int | None = None):
     comm = MPI.COMM_WORLD.Dup()
     if comm.Get_size() != (ranks or max(2, comm.Get_size())):
         n = ranks or "N >= 2"
-        raise SystemExit(f"{script} runs as mpiexec -n {n} python -m mpi4py benchmarks/{script}.py")
-    return comm
+        raise SystemExit(f"{name} runs as mpiexec -n {n} python -m mpi4py benchmarks/{name}.py")
+    rows, extra = measure(comm, args)
+    env = {"quick": args.quick, "date": time.strftime("%F %T"), "host": socket.gethostname()}
+    env |= {"cpus": os.cpu_count(), "torch": torch.__version__, "ranks": comm.Get_size()}
+    env["nodes"] = len(set(comm.allgather(MPI.Get_processor_name())))
+    env["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0]
+    env["THP_MEM_ALLOC_ENABLE"] = os.environ.get("THP_MEM_ALLOC_ENABLE")
+    env["loadavg"] = {"start": LOAD_AT_START, "end": os.getloadavg()}
+    if comm.Get_rank() == 0:
+        write(name, rows, env, args.out, **extra)
 
 
-def sample(fn, reps: int, warmup: int = 1, min_s: float = 0.0) -> list[float]:
-    """Seconds of each of ``reps`` calls of ``fn`` after ``warmup`` untimed ones; more
-    calls (up to 100x ``reps``) until ``min_s`` seconds have passed.
+def sample(fn, reps: int, warmup: int = 1, min_s: float = 0.0, pause: float = 0.0) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn`` after ``warmup`` untimed ones; more calls
+    (up to 100x ``reps``) until ``min_s`` seconds have passed; ``pause`` seconds before each.
 
     >>> len(sample(lambda: None, reps=5))
     5
@@ -72,10 +68,24 @@ def sample(fn, reps: int, warmup: int = 1, min_s: float = 0.0) -> list[float]:
     out: list[float] = []
     end = time.perf_counter() + min_s
     while len(out) < reps or (time.perf_counter() < end and len(out) < 100 * reps):
+        if pause:
+            time.sleep(pause)
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def ping_pong(comm, send, recv, reps: int, warmup: int = 1) -> float | None:
+    """Rank 0: the median round trip of ``send`` to rank 1 and back into ``recv`` by
+    ``Send``/``Recv`` (rank 1 echoes into its ``recv``); None on the other ranks."""
+    if comm.Get_rank() == 0:
+        ping = lambda: (comm.Send(send, dest=1), comm.Recv(recv, source=1))  # noqa: E731
+        return statistics.median(sample(ping, reps, warmup))
+    for _ in range(reps + warmup if comm.Get_rank() == 1 else 0):
+        comm.Recv(recv, source=0)
+        comm.Send(recv, dest=0)
+    return None
 
 
 def sleep_barrier(comm) -> None:
@@ -84,6 +94,11 @@ def sleep_barrier(comm) -> None:
     while not req.Test():
         time.sleep(delay)
         delay = min(2 * delay, 0.02)
+
+
+def echo(t: object) -> object:
+    """Runs on the callee: its argument, sent back."""
+    return t
 
 
 class Stack:
@@ -96,9 +111,9 @@ class Stack:
     """
 
     def __init__(self, kind: str, comm) -> None:
-        self.kind, self.comm, self.rank = kind, comm, comm.Get_rank()
+        self.kind, self.comm, self.rank, self.size = kind, comm, comm.Get_rank(), comm.Get_size()
 
-    def __enter__(self) -> Stack:
+    def __enter__(self) -> "Stack":
         kwargs = {}
         if self.kind == "ours":
             import lightning_distgrad.autograd as autograd
@@ -115,9 +130,7 @@ class Stack:
         self.rpc, self.autograd = rpc, autograd
         sleep_barrier(self.comm)
         t0 = time.perf_counter()
-        rpc.init_rpc(
-            f"worker{self.rank}", rank=self.rank, world_size=self.comm.Get_size(), **kwargs
-        )
+        rpc.init_rpc(f"worker{self.rank}", rank=self.rank, world_size=self.size, **kwargs)
         self.init_s = time.perf_counter() - t0
         return self
 
@@ -140,19 +153,6 @@ def row(metric: str, ours, anchor, anchor_name: str, unit: str, target=None) -> 
     r["target"] = None if target is None else f"{target[0]} {target[1]}"
     r["ok"] = None if not target or not r["ratio"] else _OPS[target[0]](r["ratio"], target[1])
     return r
-
-
-def environment(comm, args: argparse.Namespace) -> dict:
-    """Collective: the machine, software and load a result was measured under."""
-    import torch
-    from mpi4py import MPI
-
-    env = {"command": " ".join(sys.argv), "quick": args.quick, "date": time.strftime("%F %T")}
-    env |= {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__}
-    env |= {"ranks": comm.Get_size(), "nodes": len(set(comm.allgather(MPI.Get_processor_name())))}
-    env["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0]
-    env["THP_MEM_ALLOC_ENABLE"] = os.environ.get("THP_MEM_ALLOC_ENABLE")
-    return env | {"loadavg": {"start": LOAD_AT_START, "end": os.getloadavg()}}
 
 
 def mpi_name(library: str) -> str:
@@ -188,9 +188,6 @@ def table(rows: list[dict], label=lambda r: r["metric"]) -> str:
 
 def plot(rows: list[dict], path: Path, title: str, label=lambda r: r["metric"]) -> None:
     """A bar per row: ours / anchor on a log scale, the target as a black tick."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if r["ratio"]]
@@ -212,7 +209,8 @@ def plot(rows: list[dict], path: Path, title: str, label=lambda r: r["metric"]) 
 
 
 def write(name: str, rows: list[dict], env: dict, out: Path | None = None, **extra) -> None:
-    """Print the rows; write them, ``env`` and ``extra`` as JSON, and their plot."""
+    """Print the rows; write them, ``env`` (and this command) and ``extra``, and a plot."""
+    env = env | {"command": " ".join(sys.argv)}
     suffix = ".openmpi" if env["mpi_library"].startswith("Open MPI") else ""
     suffix += f".{env['nodes']}nodes" if env["nodes"] > 1 else ""
     path = out or RESULTS / f"{name}{suffix}.json"
@@ -224,20 +222,20 @@ def write(name: str, rows: list[dict], env: dict, out: Path | None = None, **ext
     print(f"wrote {path}", flush=True)
 
 
-def finish(name: str, rows: list[dict] | None, comm, args, **extra) -> None:
-    """The collective end of a script: rank 0, which holds ``rows``, writes them."""
-    env = environment(comm, args)
-    if comm.Get_rank() == 0:
-        write(name, rows, env, args.out, **extra)
-
-
-def launch(script: str, ranks: int, args: list[str], out: Path) -> dict:
-    """Run ``script`` as an MPI job of its own (the ``mpiexec`` beside this Python) that
-    writes to ``out``; returns its result document."""
+def drive(name: str, args: argparse.Namespace, jobs: dict[str, int], combine) -> None:
+    """Run ``name``'s script (``--quick`` passed on) as one MPI job per ``jobs`` entry (tag:
+    ranks), each writing ``parts/<name>.<tag>.json`` beside the result; write ``combine(their
+    documents) -> (rows, extra)`` as the result."""
+    parts = (args.out.resolve().parent if args.out else RESULTS) / "parts"
     mpiexec = Path(sys.executable).with_name("mpiexec")
     version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout
     flags = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
-    argv = [mpiexec, *(flags if "Open MPI" in version else []), "-n", str(ranks), sys.executable]
-    argv += ["-m", "mpi4py", str(Path(__file__).with_name(script)), *args, "--out", str(out)]
-    subprocess.run(argv, check=True)
-    return json.loads(out.read_text())
+    script = [sys.executable, "-m", "mpi4py", Path(__file__).with_name(f"{name}.py")]
+    docs = []
+    for tag, ranks in jobs.items():
+        out = parts / f"{name}.{tag}.json"
+        argv = [mpiexec, *(flags if "Open MPI" in version else []), "-n", str(ranks), *script]
+        subprocess.run([*argv, "--out", out, *["--quick"] * args.quick], check=True)
+        docs.append(json.loads(out.read_text()))
+    rows, extra = combine(docs)
+    write(name, rows, docs[-1]["env"], args.out, **extra)

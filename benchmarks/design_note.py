@@ -1,29 +1,17 @@
 """The distributed autograd design note's iteration: ours vs TensorPipe, per iteration.
 
-Rank 0 times, from context enter to exit, for 3x3 and 1024x1024 float32 ``t1, t2``::
+Rank 0 times ``iteration`` at 3x3 and 1024x1024, both stacks started afresh each round (the
+order alternating); its first and last timed gradients must match local autograd's.
+``--jobs K``: the median of K jobs' medians and the spread (slowest job over fastest)."""
 
-    with dist_autograd.context() as ctx:
-        t3 = rpc.rpc_sync("worker1", torch.add, (t1, t2))
-        t4 = rpc.rpc_sync("worker1", torch.mul, (t1, t2))
-        dist_autograd.backward(ctx, [(t3 * t4).sum()])
-        grads = dist_autograd.get_gradients(ctx)
-
-The first and last timed iterations' gradients must match plain local autograd's. A job
-runs both stacks (started afresh each round, the order alternating) and keeps the median
-per size; ``--jobs K`` runs K jobs and reports the median of their medians and the spread
-(slowest job's median over the fastest's).
-"""
-
-import sys
 from statistics import median
 
 import torch
-from _harness import RESULTS, TP, Stack, finish, launch, parse, row, sample, world, write
+from _harness import TP, Stack, drive, parse, row, run, sample
 
-TARGETS = {3: 0.4, 1024: 0.7}  # ours / TensorPipe
+TARGETS = {3: None, 1024: ("<=", 0.7)}  # on ours / TensorPipe
 SPREAD_TARGET = 1.5  # slowest / fastest job median at 1024x1024
-PLAN = {3: (800, 80), 1024: (50, 5)}  # timed and warm-up iterations per round
-QUICK_PLAN = {3: (100, 20), 1024: (8, 2)}
+PLAN = {3: (800, 80), 1024: (50, 5)}  # timed and warm-up iterations per round (quick: 1/8, 1/4)
 
 
 def inputs(n: int) -> list[torch.Tensor]:
@@ -62,41 +50,35 @@ def time_size(s: Stack, n: int, reps: int, warmup: int) -> list[float]:
     return times
 
 
-def job(args) -> None:
+def measure(comm, args) -> tuple[list[dict] | None, dict]:
     """One MPI job: each stack's median iteration per size."""
-    comm = world("design_note", 2)
-    plan = QUICK_PLAN if args.quick else PLAN
+    plan = {n: (r // 8, w // 4) for n, (r, w) in PLAN.items()} if args.quick else PLAN
     times: dict = {"ours": {n: [] for n in plan}, "tp": {n: [] for n in plan}}
-    for r in range(args.rounds or (1 if args.quick else 2)):
+    for r in range(1 if args.quick else 2):
         for kind in ("ours", "tp")[:: 1 if r % 2 == 0 else -1]:
             with Stack(kind, comm) as s:
                 for n, (reps, warmup) in plan.items() if comm.Get_rank() == 0 else ():
                     times[kind][n] += time_size(s, n, reps, warmup)
     medians = {k: {n: median(v) for n, v in d.items() if v} for k, d in times.items()}
     ours, tp = medians["ours"], medians["tp"]
-    rows = [row(f"iteration {n}x{n}", ours[n], tp[n], TP, "s", ("<=", TARGETS[n])) for n in ours]
-    finish("design_note", rows, comm, args, medians=medians)
+    rows = [row(f"iteration {n}x{n}", ours[n], tp[n], TP, "s", TARGETS[n]) for n in ours]
+    return rows, {"medians": medians}
 
 
-def jobs(args) -> None:
-    """``args.jobs`` jobs, one after another: the median and spread of their medians."""
-    extra = ["--quick"] * args.quick + (["--rounds", str(args.rounds)] if args.rounds else [])
-    parts = [RESULTS / "parts" / f"design_note.{k}.json" for k in range(args.jobs)]
-    docs = [launch("design_note.py", 2, extra, part) for part in parts]
-    rows, k = [], args.jobs
+def combine(docs: list[dict]) -> tuple[list[dict], dict]:
+    """The median and spread of the jobs' medians."""
+    rows, k = [], len(docs)
     for n in docs[0]["medians"]["ours"]:
         ours, tp = ([d["medians"][stack][n] for d in docs] for stack in ("ours", "tp"))
-        target, spread = ("<=", TARGETS[int(n)]), ("<=", SPREAD_TARGET) if n == "1024" else None
-        name = f"iteration {n}x{n}"
+        name, target = f"iteration {n}x{n}", TARGETS[int(n)]
+        spread = ("<=", SPREAD_TARGET) if n == "1024" else None
+        lo, hi = min(ours), max(ours)
         rows.append(row(f"{name}, median of {k} jobs", median(ours), median(tp), TP, "s", target))
-        rows.append(
-            row(f"{name}, slowest job (ours)", max(ours), min(ours), "fastest", "s", spread)
-        )
-    env = docs[0]["env"] | {"command": " ".join(sys.argv), "jobs": k}
-    write("design_note", rows, env, args.out, job_medians=[d["medians"] for d in docs])
+        rows.append(row(f"{name}, slowest job (ours)", hi, lo, "fastest", "s", spread))
+    return rows, {"jobs": k, "job_medians": [d["medians"] for d in docs]}
 
 
 if __name__ == "__main__":
-    options = (["--rounds"], {"type": int}), (["--jobs"], {"type": int, "help": "K jobs"})
-    arguments = parse(__doc__.splitlines()[0], *options)
-    jobs(arguments) if arguments.jobs else job(arguments)
+    args = parse(__doc__, jobs={"type": int, "help": "run K jobs, report their median"})
+    jobs = {str(j): 2 for j in range(args.jobs or 0)}
+    drive("design_note", args, jobs, combine) if jobs else run("design_note", 2, measure, args)

@@ -1,26 +1,18 @@
 """Parameter server: requests/s of 1..N-1 trainers against one server, ours vs TensorPipe.
 
-Rank 0 holds a small model's parameters; for k = 1 .. N-1, trainers 1..k repeat a step:
-``rpc_sync`` the parameters, compute gradients on a batch of 16, ``rpc_sync`` them back
-(the server applies SGD under a lock); the other ranks sleep. Each stack first checks that
-a push changes the parameters by exactly the learning rate times the gradients sent.
-"""
+Rank 0 holds a small model; for k = 1 .. N-1, trainers 1..k repeat a step (``rpc_sync`` the
+parameters, gradients of a batch of 16, ``rpc_sync`` them back for an SGD step under a lock)
+while the other ranks sleep. A push must change the parameters by exactly -LR x gradients."""
 
 import threading
-import time
 
 import torch
-from _harness import TP, Stack, finish, parse, row, sleep_barrier, world
+from _harness import TP, Stack, parse, row, run, sample, sleep_barrier
 from torch import nn
 
 LR = 0.01
 _lock = threading.Lock()
 _params: list[torch.Tensor] = []  # on the server
-
-
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
 def get_params() -> list[torch.Tensor]:
@@ -49,8 +41,10 @@ def step(rpc, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Te
 def session(kind: str, comm, steps: int, warmup: int) -> dict[int, float]:
     """Requests/s per number of trainers (on rank 0)."""
     rank, out = comm.Get_rank(), {}
-    _params[:] = [p.detach().clone() for p in model().parameters()]
-    net, g = model(), torch.Generator().manual_seed(rank)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    _params[:] = [p.detach().clone() for p in net.parameters()]  # the server's copy
+    g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
     with Stack(kind, comm) as s:
         if rank == 1:  # alone: the server's update is exactly SGD with the gradients sent
@@ -64,24 +58,19 @@ def session(kind: str, comm, steps: int, warmup: int) -> dict[int, float]:
             for _ in range(warmup if active else 0):
                 step(s.rpc, net, x, y)
             comm.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps if active else 0):
-                step(s.rpc, net, x, y)
-            elapsed = time.perf_counter() - t0 if active else 0.0
+            times = sample(lambda: step(s.rpc, net, x, y), steps, warmup=0) if active else [0.0]
             sleep_barrier(comm)  # the server's main thread must not spin while its agent works
-            elapsed = comm.gather(elapsed, root=0)
+            elapsed = comm.gather(sum(times), root=0)
             out[k] = 2 * k * steps / max(elapsed) if rank == 0 else None
     return out
 
 
-def main() -> None:
-    args = parse(__doc__.splitlines()[0])
-    comm = world("param_server")
+def measure(comm, args) -> tuple[list[dict] | None, dict]:
     steps, warmup = (20, 3) if args.quick else (200, 20)
     ours, tp = (session(kind, comm, steps, warmup) for kind in ("ours", "tp"))
     rows = [row(f"{k} trainer(s), requests/s", ours[k], tp[k], TP, "req/s") for k in ours]
-    finish("param_server", rows, comm, args, requests_per_s={"ours": ours, "tp": tp})
+    return rows, {"requests_per_s": {"ours": ours, "tp": tp}}
 
 
 if __name__ == "__main__":
-    main()
+    run("param_server", None, measure, parse(__doc__))

@@ -1,17 +1,13 @@
 """SMART vs strict backward passes, and routed remote experts vs the same model locally.
 
-Rank 0 drives; ranks 1 and 2 hold two experts each (16x16 weights, 32 tokens of width 16,
-top-1 routing). Cases: the design note's 3x3 iteration; ``moe-all``, routing forced to
-give every expert tokens; ``moe-partial``, two experts get none and their RPC results go
-unused (a strict pass refuses that). Variants alternate; SMART's gradients must match the
-local model's.
-"""
+Rank 0 drives; ranks 1 and 2 hold two experts each (16x16, 32 tokens, top-1 routing).
+Cases: the design note's 3x3 iteration; ``moe-all``, every expert gets tokens; ``moe-partial``,
+two get none and their RPC results go unused. SMART's gradients must match the local model's."""
 
-import time
 from statistics import median
 
 import torch
-from _harness import Stack, finish, parse, row, world
+from _harness import Stack, parse, row, run, sample
 from design_note import check, inputs, iteration
 
 WIDTH, TOKENS, EXPERTS = 16, 32, 4
@@ -49,54 +45,47 @@ def models() -> dict[str, tuple]:
     x, gate = torch.rand(TOKENS, WIDTH), torch.rand(WIDTH, EXPERTS, requires_grad=True)
     x_all = x.clone()  # a large bias routes a quarter of the tokens to each expert
     x_all[:, :EXPERTS] += torch.eye(EXPERTS).repeat(TOKENS // EXPERTS, 1) * 100
-    gate_all = torch.zeros(WIDTH, EXPERTS)
-    gate_all[:EXPERTS] = torch.eye(EXPERTS)
+    gate_all = torch.eye(WIDTH, EXPERTS).requires_grad_()
     every, half = torch.ones(EXPERTS, dtype=torch.bool), torch.tensor([True, False] * 2)
-    gate_all.requires_grad_()
     return {"moe-all": (gate_all, ws, x_all, every), "moe-partial": (gate, ws, x, half)}
 
 
-def run(s: Stack, iters: int) -> list[dict]:
+def cases(s: Stack) -> dict[str, dict]:
+    """Each case's variants; SMART's gradients checked against the local model's."""
     t1, t2 = inputs(3)
-    check(iteration(s.rpc, s.autograd, t1, t2, strict=False), t1, t2, "SMART note")
-    cases = {
-        "design-note iteration 3x3": {
-            "SMART": lambda: iteration(s.rpc, s.autograd, t1, t2, strict=False),
-            "strict": lambda: iteration(s.rpc, s.autograd, t1, t2, strict=True),
-        }
+    note = lambda strict: iteration(s.rpc, s.autograd, t1, t2, strict=strict)  # noqa: E731
+    check(note(False), t1, t2, "SMART note")
+    out = {
+        "design-note iteration 3x3": {"SMART": lambda: note(False), "strict": lambda: note(True)}
     }
     for name, m in models().items():
         got = remote_moe(s, *m, strict=False)
         for t, e in zip([m[0], *m[1]], local_moe(*m), strict=True):
             zero = torch.zeros_like(t)  # what an expert without tokens gets
             torch.testing.assert_close(got.get(t, zero), zero if e is None else e, msg=name)
-        cases[name] = {"SMART": lambda m=m: remote_moe(s, *m, strict=False)}
-        if name == "moe-all":
-            cases[name]["strict"] = lambda m=m: remote_moe(s, *m, strict=True)
-        cases[name]["local model"] = lambda m=m: local_moe(*m)
-    rows = []
-    for name, variants in cases.items():
-        times: dict = {v: [] for v in variants}
-        for i in range(iters + 20):  # the first 20 rounds warm up
-            for v, fn in list(variants.items())[:: 1 if i % 2 else -1]:
-                t0 = time.perf_counter()
-                fn()
-                if i >= 20:
-                    times[v].append(time.perf_counter() - t0)
-        smart = median(times.pop("SMART"))
-        for v, t in times.items():
-            target = ("<=", 1.1) if v == "strict" else None
-            rows.append(row(f"{name}, SMART", smart, median(t), v, "s", target))
-    return rows
+        out[name] = {"SMART": lambda m=m: remote_moe(s, *m, strict=False)}
+        if name == "moe-all":  # a strict pass refuses moe-partial's unused results
+            out[name]["strict"] = lambda m=m: remote_moe(s, *m, strict=True)
+        out[name]["local model"] = lambda m=m: local_moe(*m)
+    return out
 
 
-def main() -> None:
-    args = parse(__doc__.splitlines()[0])
-    comm = world("smart", 3)
+def measure(comm, args) -> tuple[list[dict] | None, dict]:
     with Stack("ours", comm) as s:
-        rows = run(s, 60 if args.quick else 300) if comm.Get_rank() == 0 else None
-    finish("smart", rows, comm, args)
+        if comm.Get_rank() != 0:
+            return None, {}
+        rows, iters = [], 60 if args.quick else 300
+        for name, variants in cases(s).items():
+            times: dict = {v: [] for v in variants}
+            for i in range(iters + 20):
+                for v, fn in list(variants.items())[:: 1 if i % 2 else -1]:
+                    times[v] += sample(fn, 1, warmup=0)
+            smart = median(times.pop("SMART")[20:])  # the first 20 rounds warm up
+            for v, t in times.items():
+                target = ("<=", 1.05) if v == "strict" else None
+                rows.append(row(f"{name}, SMART", smart, median(t[20:]), v, "s", target))
+        return rows, {}
 
 
 if __name__ == "__main__":
-    main()
+    run("smart", 3, measure, parse(__doc__))

@@ -1,15 +1,16 @@
-r"""The pipeline example with one timeline of the whole job: every rank profiled, merged.
+r"""The pipeline example with one timeline of the whole job: a few steps of every rank, merged.
 
 Run with (rank 0 trains, rank 1 serves the remote half)::
 
     mpiexec -n 2 python -m mpi4py examples/profile_pipeline.py
 
-Every rank enters :func:`lightning_distgrad.profiler.profile` around the same ``fit`` (on the
-serving rank ``fit`` serves), so the trace covers both sides of each step: the trainer's
-forward RPCs and backward pass, the server's runs of them, and an arrow for every message.
-Rank 0 writes ``pipeline_trace.json`` (open it in https://ui.perfetto.dev or
-``chrome://tracing``) and draws it as ``pipeline_timeline.png``. A few steps are enough:
-``--max-steps`` defaults to 5 here; ``--out DIR`` chooses where the files go.
+A :class:`lightning_distgrad.profiler.TimelineCallback` records steps ``--start-step`` to
+``--start-step + --num-steps - 1`` on every rank, the serving one included (trainer 0 asks it
+to record), so the trace covers both sides of each step: the trainer's forward RPCs, its
+backward pass and its gradient messages, the server's runs of them, and an arrow for every
+message. Trainer 0 writes ``pipeline_trace.json`` (open it in https://ui.perfetto.dev or
+``chrome://tracing``) and draws it as ``pipeline_timeline.png``; ``--out DIR`` chooses where
+the files go. Training stops after ``--max-steps`` (default 5).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from lightning_distgrad import DistAutogradStrategy, profiler
 
 
 def main(argv: list[str] | None = None) -> str | None:
-    """Profile a few training steps; returns the trace's path on rank 0, None elsewhere."""
+    """Profile a few training steps; returns the trace's path on trainer 0, None elsewhere."""
     parser = lightning_parser(__doc__, lr=0.2)
     parser.add_argument("--out", default=".", help="folder for the trace and the picture")
+    parser.add_argument("--start-step", type=int, default=2, help="first step recorded")
+    parser.add_argument("--num-steps", type=int, default=2, help="steps recorded")
     parser.set_defaults(max_steps=5, fast=True, epochs=1)
     args = parser.parse_args(argv)
 
@@ -34,8 +37,8 @@ def main(argv: list[str] | None = None) -> str | None:
     train, val = loaders(make_dataset, 512, args.batch_size)
     trainer, _ = make_trainer(DistAutogradStrategy(num_servers=1), args)
     trace = os.path.join(args.out, "pipeline_trace.json")
-    with profiler.profile(trace):
-        trainer.fit(PipelineModel(lr=args.lr), train, val)
+    trainer.callbacks.append(profiler.TimelineCallback(trace, args.start_step, args.num_steps))
+    trainer.fit(PipelineModel(lr=args.lr), train, val)
     if not trainer.is_global_zero:
         return None
     picture = os.path.join(args.out, "pipeline_timeline.png")

@@ -173,6 +173,48 @@ def end_span_on_future(record: Any, future: torch.futures.Future) -> torch.futur
     return _call_end_callbacks_on_future(record, future)
 
 
+def kineto_records_this_thread() -> bool:
+    """Whether the profiler on this thread is Kineto's (``torch.profiler.profile``,
+    ``torch.autograd.profiler.profile``) rather than the legacy one.
+
+    No public alternative as of torch 2.13: torch has no query of the active profiler's type.
+    """
+    kineto = torch._C._profiler.ActiveProfilerType.KINETO
+    return torch._C._autograd._profiler_type() == kineto
+
+
+_parser_lock = threading.Lock()
+_event_adders: list[Callable[[Any, Any, list], list]] = []
+
+
+def wrap_kineto_results_parser(add_events: Callable[[Any, Any, list], list]) -> None:
+    """Make every Kineto profile pass its parsed events through ``add_events(profile,
+    results, events)``, which returns the events to list. Adding the same function again
+    changes nothing.
+
+    Wraps the private ``torch.autograd.profiler.profile._parse_kineto_results``, behind
+    ``events()``, ``key_averages()`` and ``table()``. It waits for a public way to add events
+    to a Kineto profile: torch's own RPC profiling adds remote events to the legacy profiler
+    only, in C++.
+    """
+    profile = torch.autograd.profiler.profile
+    with _parser_lock:
+        if add_events in _event_adders:
+            return
+        _event_adders.append(add_events)
+        if len(_event_adders) > 1:
+            return  # the wrapper is in place
+        original = profile._parse_kineto_results
+
+        def parse(self: Any, result: Any, *args: Any, **kwargs: Any) -> list:
+            events = original(self, result, *args, **kwargs)
+            for adder in list(_event_adders):
+                events = adder(self, result, events)
+            return events
+
+        profile._parse_kineto_results = parse
+
+
 def set_unwrap_func(future: torch.futures.Future, unwrap: Callable[[Any], Any]) -> None:
     """Make every ``future.wait()`` call ``unwrap(result)`` first; ``unwrap`` may raise.
 

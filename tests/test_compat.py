@@ -188,6 +188,29 @@ def test_find_builtin_names_torch_operators_only():
     assert _compat.find_builtin(len) is None
 
 
+def test_kineto_records_this_thread_tells_kineto_from_the_legacy_profiler():
+    with torch.profiler.profile():
+        assert _compat.kineto_records_this_thread() is True
+    with torch.autograd.profiler_legacy.profile():
+        assert _compat.kineto_records_this_thread() is False
+
+
+def test_wrapped_kineto_parser_lists_added_events():
+    seen = []
+
+    def add_events(profile, result, events):
+        seen.append(len(events))
+        return events
+
+    _compat.wrap_kineto_results_parser(add_events)
+    _compat.wrap_kineto_results_parser(add_events)  # idempotent: one wrapper
+    with torch.profiler.profile() as prof:
+        torch.add(torch.ones(2), 1)
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::add" in names
+    assert seen and seen[0] >= 1
+
+
 def test_span_on_future_ends_with_the_future():
     fut = torch.futures.Future()
     with torch.autograd.profiler.profile() as prof:

@@ -60,8 +60,13 @@ def test_readme_rpc_quick_start_runs_and_prints_what_it_says(tmp_path):
 @pytest.mark.skipif(LAUNCHER is None, reason="needs an MPI launcher (mpiexec) beside python")
 def test_readme_lightning_quick_start_trains_with_a_server_rank(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(readme_block("# train.py"))
+    report = (
+        "if trainer.is_global_zero:\n"
+        '    print("final", float(trainer.callback_metrics["train_loss"]))\n'
+    )
+    script.write_text(readme_block("# train.py") + report)
     job = mpi_job(3, [sys.executable, "-m", "mpi4py", str(script)], timeout_s=240, cwd=tmp_path)
     assert job.code == 0, job.describe()
-    losses = [float(x) for x in re.findall(r"train_loss=([0-9.]+)", job.output)]
-    assert len(losses) >= 2 and losses[-1] < losses[0] / 2, job.describe()
+    final = [float(x) for x in re.findall(r"^final ([0-9.e-]+)$", job.output, re.M)]
+    # Predicting 0 scores about 0.27 on these targets, their mean about 0.02.
+    assert len(final) == 1 and final[0] < 0.1, job.describe()

@@ -124,7 +124,7 @@ def backward(
     if not recording():
         _engine.backward(context_id, roots, retain_graph, strict)
         return
-    with span("torch::distributed::autograd::backward"):
+    with span(_engine.BACKWARD_SPAN):
         _engine.backward(context_id, roots, retain_graph, strict)
 
 

@@ -43,11 +43,14 @@ from __future__ import annotations
 import itertools
 import threading
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ..rpc import _core
+from ..rpc._profiling import recording, span
 from ..rpc._wire import Kind
 from ._context import ContextContainer, DistAutogradContext, check_context_id
 from ._credit import (  # noqa: F401  (re-exported)
@@ -64,6 +67,14 @@ from ._pass import Pass, is_leaf_node, native_grad
 _container: ContextContainer | None = None
 _pass_ids = itertools.count()
 _pass_creation_lock = threading.Lock()
+
+#: Profiler spans of a pass: the whole pass on its root (torch's name), each stretch of
+#: local engine work, and each gradient message sent and handled (``...(worker0 ->
+#: worker1)``; a merged timeline also shows their bytes and gradient counts).
+BACKWARD_SPAN = "torch::distributed::autograd::backward"
+LOCAL_WORK_SPAN = "torch::distributed::autograd::local_work"
+SEND_SPAN = "torch::distributed::autograd::send_gradients"
+RECEIVE_SPAN = "torch::distributed::autograd::receive_gradients"
 
 
 def container() -> ContextContainer:
@@ -137,7 +148,7 @@ def backward(
     try:
         with _core.require_agent().waiting_for(p.pass_id):
             try:
-                messages = p.deliver_roots(edges, [torch.ones_like(r) for r in roots])
+                messages = local_work(p.deliver_roots, edges, [torch.ones_like(r) for r in roots])
             except Exception as e:
                 p.return_credit(ALL_CREDIT, None, _wrap_error(cont.worker_id, e))
             else:
@@ -314,6 +325,21 @@ def decode_gradients(layout: list, tensors: list) -> list[tuple[int, list | None
     return items
 
 
+def local_work(deliver: Callable[..., list], *args: Any) -> list:
+    """``deliver(*args)``, a stretch of local engine work (recorded while spans are)."""
+    if not recording():
+        return deliver(*args)
+    with span(LOCAL_WORK_SPAN):
+        return deliver(*args)
+
+
+def _message_span(agent, name: str, src: int, dst: int, tensors: list):
+    """The span of one gradient message: its route in the name, its size in the args."""
+    route = f"{agent.infos[src].name} -> {agent.infos[dst].name}"
+    size = {"bytes": sum(t.nbytes for t in tensors), "gradients": len(tensors)}
+    return span(f"{name}({route})", size)
+
+
 def send_gradients(
     agent,
     peer: int,
@@ -325,7 +351,11 @@ def send_gradients(
     """One GRADIENTS frame to ``peer`` for ``(message id, gradients)`` items of pass ``p``."""
     layout, tensors = encode_gradients(items)
     body = Gradients(p.ctx._context_id(), layout, p.retain_graph, p.pass_id, credit, report)
-    agent.send_one_way(peer, Kind.GRADIENTS, body, tensors)
+    if not recording():
+        agent.send_one_way(peer, Kind.GRADIENTS, body, tensors)
+        return
+    with _message_span(agent, SEND_SPAN, agent.info.id, peer, tensors):
+        agent.send_one_way(peer, Kind.GRADIENTS, body, tensors)
 
 
 def _ship(p: Pass, messages: list[tuple[int, list]], credit: Credit) -> None:
@@ -410,6 +440,15 @@ def _worker_pass(ctx: DistAutogradContext, pass_id: tuple, retain_graph: bool) -
 
 def on_gradients(source: int, body: Gradients, tensors: list[torch.Tensor]) -> None:
     """A GRADIENTS message, on the worker that sent the messages it answers."""
+    if not recording():
+        _take_gradients(source, body, tensors)
+        return
+    agent = _core.require_agent()
+    with _message_span(agent, RECEIVE_SPAN, source, agent.info.id, tensors):
+        _take_gradients(source, body, tensors)
+
+
+def _take_gradients(source: int, body: Gradients, tensors: list[torch.Tensor]) -> None:
     context_id, layout, retain_graph, pass_id, credit, report = body
     items = decode_gradients(layout, tensors)
     cont = container()
@@ -432,7 +471,7 @@ def on_gradients(source: int, body: Gradients, tensors: list[torch.Tensor]) -> N
                 raise RuntimeError(
                     f"Could not find send function for autograd message id: {msg_id}"
                 )
-        messages = p.deliver_sends(items)
+        messages = local_work(p.deliver_sends, items)
     except Exception as e:
         if p is not None and not is_root:
             _end_pass(ctx, p)

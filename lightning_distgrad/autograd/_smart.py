@@ -118,7 +118,7 @@ def _resolve(p: Pass, dead: dict[int, list[int]], me: int) -> None:
         items = [(msg_id, None) for msg_id in msg_ids]
         if worker == me:
             try:
-                messages = p.deliver_sends(items)
+                messages = _engine.local_work(p.deliver_sends, items)
             except Exception as e:
                 p.return_credit(share, None, _engine._wrap_error(me, e))
             else:

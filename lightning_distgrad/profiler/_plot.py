@@ -31,7 +31,7 @@ def plot_timeline(trace_path: str | os.PathLike, out_path: str | os.PathLike) ->
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in DRAWN]
     flows = {}
     for e in trace["traceEvents"]:
-        if e.get("ph") in ("s", "f"):
+        if e.get("ph") in ("s", "f") and e.get("cat") == "rpc_message":
             flows.setdefault(e["id"], {})[e["ph"]] = e
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.8 * len(names)))
     for e in spans:

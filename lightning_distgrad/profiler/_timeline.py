@@ -18,19 +18,22 @@ TORCH_FLOW_ID_STRIDE = 1 << 40
 LOGGED_SPANS = ("rpc_", "torch::distributed::autograd::")
 
 
-def clock_offsets(comm: MPI.Comm) -> list[tuple[float, float]] | None:
-    """On rank 0, each rank's clock minus rank 0's, and the error bound, in us
+def clock_offsets(comm: MPI.Comm, root: int = 0) -> list[tuple[float, float]] | None:
+    """On ``root``, each rank's clock minus its own, and the error bound, in us
     (``time.time_ns``, the clock torch's traces use); None elsewhere. A collective.
 
-    Rank 0 asks each rank for its time; with ``t0`` and ``t1`` the ask and the answer
-    on rank 0, the rank read its clock at ``(t0 + t1) / 2`` give or take ``(t1 - t0) / 2``.
+    The root asks each rank for its time; with ``t0`` and ``t1`` the ask and the answer
+    on the root, the rank read its clock at ``(t0 + t1) / 2`` give or take ``(t1 - t0) / 2``.
     """
     rank = comm.Get_rank()
-    offsets = [(0.0, 0.0)]
-    for peer in range(1, comm.Get_size()):
+    offsets = []
+    for peer in range(comm.Get_size()):
+        if peer == root:
+            offsets.append((0.0, 0.0))
+            continue
         best = None
         for _ in range(PING_PONGS):
-            if rank == 0:
+            if rank == root:
                 t0 = time.time_ns()
                 comm.send(None, dest=peer)
                 theirs = comm.recv(source=peer)
@@ -38,18 +41,19 @@ def clock_offsets(comm: MPI.Comm) -> list[tuple[float, float]] | None:
                 if best is None or t1 - t0 < best[1]:
                     best = (theirs - (t0 + t1) / 2, t1 - t0)
             elif rank == peer:
-                comm.recv(source=0)
-                comm.send(time.time_ns(), dest=0)
-        if rank == 0:
+                comm.recv(source=root)
+                comm.send(time.time_ns(), dest=root)
+        if rank == root:
             offsets.append((best[0] / 1000, best[1] / 2000))
-    return offsets if rank == 0 else None
+    return offsets if rank == root else None
 
 
 def merge_traces(
     gathered: list[tuple[dict, list]], offsets: list[tuple[float, float]], names: list[str]
 ) -> dict:
     """Every rank's ``(chrome trace, message log)`` as one trace: process ``r`` is worker
-    ``r``, times in us since the earliest event, each matched message an arrow."""
+    ``r``, times in us since the earliest event, each matched message an arrow. A rank
+    without a torch profiler of its own gives ``{}`` as its trace."""
     events: list[dict] = []
     for rank, (trace, _) in enumerate(gathered):
         shift = trace.get("baseTimeNanoseconds", 0) / 1000 - offsets[rank][0]
@@ -179,19 +183,20 @@ def _message_events(
 def _span_events(
     gathered: list[tuple[dict, list]], offsets: list[tuple[float, float]]
 ) -> list[dict]:
-    """The spans each rank logged, on the thread that ran them."""
+    """The spans each rank logged, on the thread that ran them, with their args."""
     events = []
     for rank, (_, log) in enumerate(gathered):
-        for _, start_ns, end_ns, name, tid in (e for e in log if e[0] == "span"):
-            events.append(
-                {
-                    "ph": "X",
-                    "name": name,
-                    "cat": "user_annotation",
-                    "pid": rank,
-                    "tid": tid,
-                    "ts": start_ns / 1000 - offsets[rank][0],
-                    "dur": (end_ns - start_ns) / 1000,
-                }
-            )
+        for _, start_ns, end_ns, name, tid, args in (e for e in log if e[0] == "span"):
+            event = {
+                "ph": "X",
+                "name": name,
+                "cat": "user_annotation",
+                "pid": rank,
+                "tid": tid,
+                "ts": start_ns / 1000 - offsets[rank][0],
+                "dur": (end_ns - start_ns) / 1000,
+            }
+            if args:
+                event["args"] = args
+            events.append(event)
     return events

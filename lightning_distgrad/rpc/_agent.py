@@ -1,9 +1,11 @@
-"""The RPC agent: calls and their responses, one-way messages, timeouts.
+"""The RPC agent: calls and their responses, the routing of arriving frames to
+the threads that handle them, one-way messages, timeouts.
 
 Frames are routed by their :class:`~._wire.Kind`:
 
 * REQUEST: ``(func, args, kwargs)``; the callee always answers with one
-  RESPONSE (a result or a remote error). It runs on the worker pool.
+  RESPONSE (a result or a remote error). It runs on the worker pool; the
+  agent's :class:`~._serving.Serving` runs and answers it.
 * QUICK_REQUEST: a torch operator on small tensors; it cannot issue RPCs or
   block, so it runs right where its frame is handed over.
 * RESPONSE: ``(ok, value)`` for one call id (no payload when the value is one
@@ -33,19 +35,12 @@ from typing import Any
 
 import torch
 
-from .._compat import CFuture
 from . import _devices, _hooks
 from ._calls import Deadlines, Pending, UserFuture, Waiter, future_done
-from ._errors import (
-    is_async_function,
-    not_importable,
-    rebuild_error,
-    remote_error,
-    set_error,
-    timeout_error,
-)
+from ._errors import rebuild_error, set_error, timeout_error
 from ._one_way import HANDLERS
-from ._profiling import profiling_key, recording, span
+from ._profiling import expect_remote_events, span_until
+from ._serving import Serving
 from ._transport import Transport
 from ._wire import (
     CALL_KINDS,
@@ -64,20 +59,6 @@ log = logging.getLogger("lightning_distgrad.rpc")
 QUICK_LIMIT_BYTES = 64 * 1024
 
 
-def _decode_and_call(payload: bytes, tensors: list, route: str) -> tuple[Callable, Any]:
-    """Run a request's function; returns (function, result). Under an active torch
-    profiler the run is recorded as ``rpc_serve#<function>(<route>)``."""
-    # Only the unpickling is wrapped: the function's own errors reach the caller as raised.
-    try:
-        func, args, kwargs = decode_payload(payload, tensors)
-    except (ImportError, AttributeError) as e:
-        raise not_importable(e) from e
-    if not recording():
-        return func, func(*args, **kwargs)
-    with span(profiling_key("serve", func, route)):
-        return func, func(*args, **kwargs)
-
-
 class Agent:
     """One per process while RPC is initialised; owns the transport and the pools."""
 
@@ -91,6 +72,7 @@ class Agent:
         on_arrival: Callable[[int, Frame], None],
         limits: FrameLimits,
     ):
+        self.comm = comm  # what the agent runs over: its ranks are the worker ids
         self.infos = infos
         self.info = infos[rank]
         self.by_name = {w.name: w for w in infos}
@@ -124,6 +106,14 @@ class Agent:
             transfer_timeout=transfer_timeout,
         )
         self._deadlines = Deadlines(self.transport, self._pending, self._expire_call)
+        self.serving = Serving(
+            infos,
+            self.info,
+            self.transport,
+            devices=self._devices,
+            send_one_way=self.send_one_way,
+            count_processed=self._count_processed,
+        )
         # Not started here: see :meth:`start`.
 
     def start(self) -> None:
@@ -145,10 +135,13 @@ class Agent:
         force_autograd: bool,
         arrival_forks: list | None = None,
         operator: bool = False,
+        profiled: str | None = None,
     ) -> torch.futures.Future:
         """Send a request; returns the future of its response.
 
-        ``operator``: ``func`` is a torch operator (no RPCs, no blocking).
+        ``operator``: ``func`` is a torch operator (no RPCs, no blocking). ``profiled``:
+        the call's profiling name while spans are recorded: the call is recorded under it
+        until its response (see :meth:`_send_profiled`).
         """
         payload, tensors, pctx = self._encode((func, args, kwargs), dst, func)
         # Everything that may reject the call runs before the call is registered and
@@ -168,10 +161,30 @@ class Agent:
             forks += tuple(arrival_forks)
         quick = operator and all(t.nbytes <= QUICK_LIMIT_BYTES for t in tensors)
         kind = Kind.QUICK_REQUEST if quick else Kind.REQUEST
-        self.transport.send(
-            dst.id, Frame(kind, call_id, payload, (), meta, forks), tensors, devices
-        )
+        frame = Frame(kind, call_id, payload, (), meta, forks)
+        if profiled is not None:
+            return self._send_profiled(dst.id, frame, tensors, devices, future, profiled)
+        self.transport.send(dst.id, frame, tensors, devices)
         return future
+
+    def _send_profiled(
+        self,
+        dst_id: int,
+        frame: Frame,
+        tensors: list,
+        devices: list[str] | None,
+        future: torch.futures.Future,
+        name: str,
+    ) -> torch.futures.Future:
+        """Send a call recorded under ``name``; returns the future to give its caller.
+
+        When a profiler records this thread, the callee records the call too (a
+        PROFILED_REQUEST) and the caller's profiler lists what it recorded.
+        """
+        if expect_remote_events(dst_id, frame.call_id, name, future):
+            frame = frame._replace(kind=Kind.PROFILED_REQUEST)
+        self.transport.send(dst_id, frame, tensors, devices)
+        return span_until(name, future)
 
     def send_one_way(
         self, dst_id: int, kind: Kind, body: tuple, tensors: list[torch.Tensor] = ()
@@ -235,7 +248,7 @@ class Agent:
         if kind is Kind.RESPONSE:
             self._on_response(source, frame, tensors)
         elif kind is Kind.REQUEST:
-            self._submit(lambda: self._run_request(source, frame, tensors))
+            self._submit(lambda: self.serving.run_request(source, frame, tensors))
         elif kind is Kind.JOIN:
             with self._joined_changed:
                 self._joined.add(source)
@@ -243,9 +256,11 @@ class Agent:
             self._count_processed()
         elif kind is Kind.QUICK_REQUEST:
             if frame.body is None:
-                self._run_operator(source, frame, tensors)
+                self.serving.run_operator(source, frame, tensors)
             else:
-                self._run_request(source, frame, tensors)
+                self.serving.run_request(source, frame, tensors)
+        elif kind is Kind.PROFILED_REQUEST:
+            self._submit(lambda: self.serving.run_request(source, frame, tensors, profiled=True))
         else:
             self._on_one_way(source, frame, tensors)
 
@@ -311,7 +326,7 @@ class Agent:
         frame = error.frame
         sender = self.infos[source].name if 0 <= source < len(self.infos) else "?"
         if frame is not None and frame.kind in CALL_KINDS and frame.call_id >= 0:
-            self._reply_error(
+            self.serving.reply_error(
                 source,
                 frame.call_id,
                 RuntimeError(
@@ -384,108 +399,6 @@ class Agent:
             future.completion = complete  # applied once that thread stopped polling
         else:
             self._callbacks.submit(complete)
-
-    # -- serving --------------------------------------------------------------------
-
-    def _route(self, source: int) -> str:
-        return f"{self.infos[source].name} -> {self.info.name}"
-
-    def _call(self, source: int, frame: Frame, tensors: list) -> tuple[int | None, Callable, Any]:
-        """Run the function of a REQUEST; returns (context id, function, result)."""
-        hooks = _hooks.get()
-        ctx_id = hooks.context_of(frame.body)
-        tensors = hooks.incoming(frame.body, source, tensors)
-        # Grad mode is thread-local: a request runs with it on, as on a fresh
-        # server thread, whichever thread handed its frame over.
-        return (
-            ctx_id,
-            *hooks.call_in(
-                ctx_id,
-                _hooks.with_grad,
-                _decode_and_call,
-                frame.payload,
-                tensors,
-                self._route(source),
-            ),
-        )
-
-    def _run_request(self, source: int, frame: Frame, tensors: list) -> None:
-        try:
-            ctx_id, func, result = self._call(source, frame, tensors)
-        except BaseException as e:
-            self._reply_error(source, frame.call_id, e)
-            return
-        if not is_async_function(func):
-            self._reply(source, frame.call_id, True, result, ctx_id)
-        # CFuture: ``then()`` and ``collect_all()`` return the C base class, which async
-        # functions commonly return.
-        elif isinstance(result, CFuture):
-            result.add_done_callback(lambda f: self._reply_future(source, frame.call_id, f, ctx_id))
-        else:
-            self._reply_error(
-                source,
-                frame.call_id,
-                TypeError(
-                    "Functions decorated with @rpc.async_function must return a "
-                    f"torch.futures.Future object, but got {type(result)}"
-                ),
-            )
-
-    def _run_operator(self, source: int, frame: Frame, tensors: list) -> None:
-        """A torch operator with no autograd context: :meth:`_run_request` minus the
-        hooks (nothing to record, no context to switch: an operator makes no RPCs)."""
-        try:
-            _, result = _hooks.with_grad(
-                _decode_and_call, frame.payload, tensors, self._route(source)
-            )
-        except BaseException as e:
-            self._reply_error(source, frame.call_id, e)
-            return
-        self._reply(source, frame.call_id, True, result)
-
-    def _reply_future(self, dst: int, call_id: int, future: torch.futures.Future, ctx_id) -> None:
-        try:
-            value = future.wait()
-        except BaseException as e:
-            self._reply_error(dst, call_id, e)
-        else:
-            self._reply(dst, call_id, True, value, ctx_id)
-
-    def _reply(self, dst: int, call_id: int, ok: bool, value: Any, ctx_id=None) -> None:
-        try:
-            if ok and type(value) is torch.Tensor and value.layout == torch.strided:
-                # The usual result, one plain tensor, needs no pickle: its frame has
-                # no payload.
-                payload, tensors, pctx = None, [value], None
-            else:
-                payload, tensors, pctx = encode_payload((ok, value), dst)
-            # Inside the try: a refused result tensor becomes an error response, so
-            # every request gets exactly one response.
-            devices = self._devices(tensors, dst, reply=True)
-            # A response is recorded in its request's context only, never in
-            # whatever context the replying thread happens to be in.
-            recorded = ok and ctx_id is not None
-            meta = _hooks.get().outgoing(dst, tensors, False, ctx_id) if recorded else None
-        except BaseException as e:
-            if not ok:
-                raise
-            self._reply_error(dst, call_id, e)
-            return
-        forks = ()
-        if pctx is not None:
-            pctx.commit()
-            forks = tuple(pctx.arrival_forks)
-        self.transport.send(
-            dst, Frame(Kind.RESPONSE, call_id, payload, (), meta, forks), tensors, devices
-        )
-        self._count_processed()
-
-    def _reply_error(self, dst: int, call_id: int, exc: BaseException) -> None:
-        exc_type, msg = remote_error(exc, self.info)
-        try:
-            self._reply(dst, call_id, False, (exc_type, msg))
-        except Exception:  # an unpicklable exception type: keep the text
-            self._reply(dst, call_id, False, (RuntimeError, msg))
 
     # -- waiting --------------------------------------------------------------------
 

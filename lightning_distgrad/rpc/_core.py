@@ -11,7 +11,7 @@ import torch
 
 from .._compat import find_builtin
 from ._agent import Agent, WorkerInfo
-from ._profiling import profiling_key, recording, span_until
+from ._profiling import profiling_key, recording
 
 #: Sentinel meaning "use the agent's default timeout" (torch uses -1.0 too).
 UNSET_RPC_TIMEOUT = -1.0
@@ -131,7 +131,8 @@ def invoke(
 
     ``profile`` ("sync", "async", "remote"): under an active torch profiler the call is
     recorded as torch's RPC profiling names it, ``rpc_sync#aten::add(worker0 -> worker1)``,
-    for ``profiled_func`` (default ``func``), from the send until the response.
+    for ``profiled_func`` (default ``func``), from the send until the response, and the
+    profiler lists what the callee recorded of it (see ``_profiling``).
     """
     timeout = check_timeout(timeout)
     agent = require_agent()
@@ -141,11 +142,14 @@ def invoke(
     if timeout == UNSET_RPC_TIMEOUT:
         timeout = agent.timeout
     operator = is_builtin(func)
+    name = None
+    if profile is not None and recording():
+        name = profiling_key(profile, profiled_func or func, f"{agent.info.name} -> {dst.name}")
     if force_autograd is None:
         # Python functions always carry the context: their result may need
         # grad even when no argument does (torch's forceGradRecording).
         force_autograd = not operator
-    future = agent.call(
+    return agent.call(
         dst,
         func,
         tuple(args or ()),
@@ -155,11 +159,8 @@ def invoke(
         force_autograd=force_autograd,
         arrival_forks=arrival_forks,
         operator=operator,
+        profiled=name,
     )
-    if profile is None or not recording():
-        return future
-    name = profiling_key(profile, profiled_func or func, f"{agent.info.name} -> {dst.name}")
-    return span_until(name, future)
 
 
 def wait(future: torch.futures.Future) -> Any:

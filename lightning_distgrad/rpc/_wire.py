@@ -85,10 +85,12 @@ class Kind(enum.IntEnum):
     CONTEXT_RELEASE = 5  # distributed autograd: a context ended on its creator
     RREF_FORK = 6  # RRef bookkeeping: a fork added or deleted at its owner
     JOIN = 7  # graceful shutdown: the sender has called shutdown
+    PROFILED_REQUEST = 8  # a REQUEST whose caller profiles: its callee records the run
+    REMOTE_EVENTS = 9  # what the callee recorded of a PROFILED_REQUEST, sent before its RESPONSE
 
 
 #: Kinds that are answered by a RESPONSE (a malformed one is answered with an error).
-CALL_KINDS = frozenset((Kind.REQUEST, Kind.QUICK_REQUEST))
+CALL_KINDS = frozenset((Kind.REQUEST, Kind.QUICK_REQUEST, Kind.PROFILED_REQUEST))
 
 
 class Frame(NamedTuple):

@@ -1,0 +1,199 @@
+"""The callee side of a call: run a request's function and send its one response.
+
+A REQUEST (or PROFILED_REQUEST) runs in the autograd context its frame names,
+with grad mode on; a QUICK_REQUEST operator runs with no context at all. Every
+request gets exactly one RESPONSE: its result, or the error it raised, or why
+its result could not be sent. An ``@rpc.async_function`` answers when the future
+it returned completes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._compat import CFuture
+from . import _hooks
+from ._errors import is_async_function, not_importable, remote_error
+from ._profiling import Recorder, profiling_key, recording, span
+from ._transport import Transport
+from ._wire import Frame, Kind, decode_payload, encode_payload
+from ._worker_info import WorkerInfo
+
+log = logging.getLogger("lightning_distgrad.rpc")
+
+
+def _decode_and_call(payload: bytes, tensors: list, route: str) -> tuple[Callable, Any]:
+    """Run a request's function; returns (function, result). Under an active torch
+    profiler the run is recorded as ``rpc_serve#<function>(<route>)``."""
+    # Only the unpickling is wrapped: the function's own errors reach the caller as raised.
+    try:
+        func, args, kwargs = decode_payload(payload, tensors)
+    except (ImportError, AttributeError) as e:
+        raise not_importable(e) from e
+    if not recording():
+        return func, func(*args, **kwargs)
+    with span(profiling_key("serve", func, route)):
+        return func, func(*args, **kwargs)
+
+
+class Serving:
+    """Runs the requests that reach one worker and answers each exactly once.
+
+    Owned by the agent, which hands it requests on the thread that should run them.
+    ``devices(tensors, dst, reply=True)`` gives a reply's tensor devices on ``dst``;
+    ``send_one_way`` carries a profiled call's events back; ``count_processed`` counts
+    a request as handled, once its response is sent (see ``Agent.counts``).
+    """
+
+    def __init__(
+        self,
+        infos: list[WorkerInfo],
+        me: WorkerInfo,
+        transport: Transport,
+        devices: Callable[..., list[str] | None],
+        send_one_way: Callable[[int, Kind, tuple], None],
+        count_processed: Callable[[], None],
+    ):
+        self.infos = infos
+        self.info = me
+        self.transport = transport
+        self._devices = devices
+        self._send_one_way = send_one_way
+        self._count_processed = count_processed
+
+    def _route(self, source: int) -> str:
+        return f"{self.infos[source].name} -> {self.info.name}"
+
+    def _call(self, source: int, frame: Frame, tensors: list) -> tuple[int | None, Callable, Any]:
+        """Run the function of a REQUEST; returns (context id, function, result)."""
+        hooks = _hooks.get()
+        ctx_id = hooks.context_of(frame.body)
+        tensors = hooks.incoming(frame.body, source, tensors)
+        # Grad mode is thread-local: a request runs with it on, as on a fresh
+        # server thread, whichever thread handed its frame over.
+        return (
+            ctx_id,
+            *hooks.call_in(
+                ctx_id,
+                _hooks.with_grad,
+                _decode_and_call,
+                frame.payload,
+                tensors,
+                self._route(source),
+            ),
+        )
+
+    def _call_profiled(
+        self, source: int, frame: Frame, tensors: list
+    ) -> tuple[int | None, Callable, Any]:
+        """:meth:`_call` for a PROFILED_REQUEST: run under a :class:`Recorder`, whose events
+        go back in a REMOTE_EVENTS frame before the response (frames between two workers
+        arrive in the order they were sent, so the caller has them when its call returns)."""
+        recorder = Recorder(self.info.id)
+        send = functools.partial(self._send_remote_events, source, frame.call_id, recorder)
+        try:
+            with recorder:
+                ctx_id, func, result = self._call(source, frame, tensors)
+        except BaseException:
+            send()
+            raise
+        if is_async_function(func) and isinstance(result, torch._C.Future):
+            return ctx_id, func, Recorder.after(result, send)
+        send()
+        return ctx_id, func, result
+
+    def _send_remote_events(self, dst: int, call_id: int, recorder: Recorder) -> None:
+        try:
+            self._send_one_way(dst, Kind.REMOTE_EVENTS, recorder.body(call_id))
+        except Exception:  # the call still gets its response; its caller lists no events
+            log.exception("lightning_distgrad: %s could not send remote events", self.info)
+
+    def run_request(
+        self, source: int, frame: Frame, tensors: list, *, profiled: bool = False
+    ) -> None:
+        """Run a REQUEST and answer it; ``profiled``: a PROFILED_REQUEST, whose callee
+        records it (see :meth:`_call_profiled`)."""
+        call = self._call_profiled if profiled else self._call
+        try:
+            ctx_id, func, result = call(source, frame, tensors)
+        except BaseException as e:
+            self.reply_error(source, frame.call_id, e)
+            return
+        if not is_async_function(func):
+            self._reply(source, frame.call_id, True, result, ctx_id)
+        # CFuture: ``then()`` and ``collect_all()`` return the C base class, which async
+        # functions commonly return.
+        elif isinstance(result, CFuture):
+            result.add_done_callback(lambda f: self._reply_future(source, frame.call_id, f, ctx_id))
+        else:
+            self.reply_error(
+                source,
+                frame.call_id,
+                TypeError(
+                    "Functions decorated with @rpc.async_function must return a "
+                    f"torch.futures.Future object, but got {type(result)}"
+                ),
+            )
+
+    def run_operator(self, source: int, frame: Frame, tensors: list) -> None:
+        """A torch operator with no autograd context: :meth:`run_request` minus the
+        hooks (nothing to record, no context to switch: an operator makes no RPCs)."""
+        try:
+            _, result = _hooks.with_grad(
+                _decode_and_call, frame.payload, tensors, self._route(source)
+            )
+        except BaseException as e:
+            self.reply_error(source, frame.call_id, e)
+            return
+        self._reply(source, frame.call_id, True, result)
+
+    def _reply_future(self, dst: int, call_id: int, future: torch.futures.Future, ctx_id) -> None:
+        try:
+            value = future.wait()
+        except BaseException as e:
+            self.reply_error(dst, call_id, e)
+        else:
+            self._reply(dst, call_id, True, value, ctx_id)
+
+    def _reply(self, dst: int, call_id: int, ok: bool, value: Any, ctx_id=None) -> None:
+        try:
+            if ok and type(value) is torch.Tensor and value.layout == torch.strided:
+                # The usual result, one plain tensor, needs no pickle: its frame has
+                # no payload.
+                payload, tensors, pctx = None, [value], None
+            else:
+                payload, tensors, pctx = encode_payload((ok, value), dst)
+            # Inside the try: a refused result tensor becomes an error response, so
+            # every request gets exactly one response.
+            devices = self._devices(tensors, dst, reply=True)
+            # A response is recorded in its request's context only, never in
+            # whatever context the replying thread happens to be in.
+            recorded = ok and ctx_id is not None
+            meta = _hooks.get().outgoing(dst, tensors, False, ctx_id) if recorded else None
+        except BaseException as e:
+            if not ok:
+                raise
+            self.reply_error(dst, call_id, e)
+            return
+        forks = ()
+        if pctx is not None:
+            pctx.commit()
+            forks = tuple(pctx.arrival_forks)
+        self.transport.send(
+            dst, Frame(Kind.RESPONSE, call_id, payload, (), meta, forks), tensors, devices
+        )
+        self._count_processed()
+
+    def reply_error(self, dst: int, call_id: int, exc: BaseException) -> None:
+        """Answer call ``call_id`` from ``dst`` with ``exc``, raised on the caller as a
+        remote error naming this worker."""
+        exc_type, msg = remote_error(exc, self.info)
+        try:
+            self._reply(dst, call_id, False, (exc_type, msg))
+        except Exception:  # an unpicklable exception type: keep the text
+            self._reply(dst, call_id, False, (RuntimeError, msg))
