@@ -192,6 +192,7 @@ def test_a_push_never_written_is_abandoned_and_its_buffer_kept_until_done(
         future.wait()
     rpc_world.barrier()  # both receivers abandoned their transfer
     assert len(receiver.promised) == 1 and receiver.promised[0][1][0].numel() == N
+    rpc_world.barrier()  # both looked before either sends its DONE
     # The late write still lands in live memory; DONE then frees it.
     values = make(N, 5.0)
     outcome = _push.write_remote(
