@@ -44,14 +44,9 @@ PUSH_MIN_BYTES = 1 << 20
 #: the receiver's copy out of huge pages beats a write into them (22 vs 14 GB/s at
 #: 64 MiB); below it the write wins.
 PULL_MIN_BYTES = 16 << 20
-#: Whether torch puts big CPU tensors on huge pages (as torch reads its variable).
-TORCH_HUGE_PAGES = os.environ.get("THP_MEM_ALLOC_ENABLE", "").lower() in (
-    "1",
-    "on",
-    "true",
-    "yes",
-    "y",
-)
+#: Whether torch puts big CPU tensors on huge pages (its variable, read as torch does).
+_TORCH_TRUE = ("1", "on", "yes", "true", "y")
+TORCH_HUGE_PAGES = os.environ.get("THP_MEM_ALLOC_ENABLE", "").lower() in _TORCH_TRUE
 #: Set to "0" to move every tensor with MPI (the receiver's pull).
 PUSH_ENV = "LIGHTNING_DISTGRAD_PUSH"
 
