@@ -17,7 +17,7 @@ import torch
 from _dist_utils import wait_until
 
 from lightning_distgrad import rpc
-from lightning_distgrad.rpc import _core, _one_way, _wire
+from lightning_distgrad.rpc import _buffers, _core, _one_way, _wire
 from lightning_distgrad.rpc._wire import Kind
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -285,7 +285,7 @@ def test_64mib_tensor_round_trips_exactly(rpc_world):
 
 def test_received_big_tensors_kept_alive_are_never_overwritten(rpc_world):
     """Receive buffers are pooled: one is reused only once no tensor (or view) uses it."""
-    n = (_wire.POOL_MIN_BYTES // 4) * 2
+    n = (_buffers.POOL_MIN_BYTES // 4) * 2
     kept = [rpc.rpc_sync(rpc_world.peer(), make_tensor, (n, float(i))) for i in range(3)]
     view = rpc.rpc_sync(rpc_world.peer(), make_tensor, (n, 7.0))[: n // 2]  # base dropped
     for _ in range(3):  # reuses freed buffers of the same size

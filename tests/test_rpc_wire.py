@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
+import os
 import pickle
+import re
+import time
 
+import pytest
 import torch
 
 from lightning_distgrad.rpc import _wire
+from lightning_distgrad.rpc._buffers import ReceiveBufferPool
 from lightning_distgrad.rpc._wire import (
-    ReceiveBufferPool,
     allocate_tensor,
     decode_payload,
     encode_payload,
@@ -65,6 +69,28 @@ def test_pooled_buffers_start_on_a_page_boundary():
         assert t.numel() * t.element_size() == n // 4 * 4
 
 
+def _mapping_of(address: int) -> tuple[str, str]:
+    """(permissions, VmFlags) of this process's mapping that holds ``address``."""
+    with open("/proc/self/smaps") as f:
+        blocks = re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", f.read())
+    for block in blocks:
+        span, perms = block.split()[:2]
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return perms, re.search(r"VmFlags:(.*)", block).group(1).split()
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only")
+def test_big_receive_buffers_are_private_mappings_advised_for_huge_pages():
+    # A single copy into them walks 2 MiB pages; a shared mapping would get none.
+    pool = ReceiveBufferPool(min_bytes=MIB, max_bytes=64 * MIB)
+    for n in (MIB, 3 * MIB + 4):
+        t = _received(pool, n)
+        perms, flags = _mapping_of(t.data_ptr())
+        assert perms == "rw-p" and "hg" in flags, (perms, flags)
+
+
 def test_pool_stays_within_its_budget():
     pool = ReceiveBufferPool(min_bytes=MIB, max_bytes=4 * MIB)
     kept = [_received(pool, 2 * MIB) for _ in range(4)]
@@ -72,6 +98,38 @@ def test_pool_stays_within_its_budget():
     assert len({t.data_ptr() for t in kept}) == 4
     small = _received(pool, MIB // 2)  # under min_bytes: never pooled
     assert small.numel() == MIB // 8 and pool.pooled_bytes == 4 * MIB
+
+
+def test_free_buffers_of_other_sizes_make_room_for_a_new_size():
+    pool = ReceiveBufferPool(min_bytes=MIB, max_bytes=5 * MIB)
+    a = _received(pool, 2 * MIB)
+    b = _received(pool, 2 * MIB)
+    del a  # free; ``b`` stays in use
+    big = _received(pool, 2 * MIB + 4)  # a's buffer makes room
+    assert pool.pooled_bytes == 4 * MIB + 4
+    big_ptr = big.data_ptr()
+    del big
+    assert _received(pool, 2 * MIB + 4).data_ptr() == big_ptr  # pooled
+    assert torch.equal(b, torch.zeros(MIB // 2))
+
+
+def test_trim_frees_only_buffers_no_tensor_used_for_idle_s():
+    pool = ReceiveBufferPool(min_bytes=MIB, max_bytes=64 * MIB, idle_s=1.0)
+    used = _received(pool, 2 * MIB)
+    free = _received(pool, 3 * MIB)
+    del free
+    now = time.monotonic()
+    pool.trim(now)  # the free one has been free for less than idle_s
+    assert pool.pooled_bytes == 5 * MIB and pool.next_trim <= now + 1.0
+    pool.trim(now + 2.0)
+    assert pool.pooled_bytes == 2 * MIB  # the one in use stays, however long
+    used_ptr = used.data_ptr()
+    del used
+    pool.trim(now + 2.5)  # seen in use at now + 2.0
+    assert pool.pooled_bytes == 2 * MIB
+    assert _received(pool, 2 * MIB).data_ptr() == used_ptr
+    pool.trim(now + 10.0)
+    assert pool.pooled_bytes == 0 and pool.next_trim == math.inf
 
 
 def test_a_tensor_that_occurs_twice_travels_once_and_arrives_as_one():

@@ -2,8 +2,10 @@
 
 Called only under the transport's lock. A frame is decoded and validated before
 any buffer is allocated for it; its tensor bytes are received into fresh (or
-pooled) tensors; a transfer that does not complete by its deadline is cancelled
-and its buffers dropped. Whatever completes, or fails, is appended to the
+pooled) tensors, by MPI or written by their sender (pushed, see ``_push``); a
+transfer that does not complete by its deadline is cancelled and its buffers
+dropped (those promised to a pushing sender once its DONE came). Whatever
+completes, or fails, is appended to the
 ``ready`` queue the transport hands over: ``(source, frame, tensors)``, or a
 :class:`MalformedFrame` with its ``source`` set.
 """
@@ -16,11 +18,14 @@ import time
 
 from mpi4py import MPI
 
+from ._buffers import ReceiveBufferPool
 from ._profiling import active_log
+from ._push import PushReceive, push_tags
 from ._wire import (
+    PUSHED,
+    Frame,
     FrameLimits,
     MalformedFrame,
-    ReceiveBufferPool,
     allocate_tensor,
     chunks,
     decode_frame,
@@ -31,14 +36,15 @@ from ._wire import (
 class _Incoming:
     """A frame whose tensor bytes are still arriving (or that waits behind one that is)."""
 
-    __slots__ = ("source", "frame", "tensors", "requests", "sizes", "deadline")
+    __slots__ = ("source", "frame", "tensors", "requests", "sizes", "push", "deadline")
 
-    def __init__(self, source, frame, tensors, requests, sizes, deadline):
+    def __init__(self, source, frame, tensors, requests, sizes, push, deadline):
         self.source = source
         self.frame = frame
         self.tensors = tensors
-        self.requests = requests
-        self.sizes = sizes  # bytes expected by each request
+        self.requests = requests  # MPI receives of tensor bytes, then ``push``'s requests
+        self.sizes = sizes  # bytes expected by each MPI receive
+        self.push = push  # PushReceive of the pushed tensors, or None
         self.deadline = deadline
 
 
@@ -49,9 +55,17 @@ class Receiver:
     """Probes ``ctrl`` for frames and receives their tensors on ``data``."""
 
     def __init__(
-        self, ctrl: MPI.Comm, data: MPI.Comm, limits: FrameLimits, transfer_timeout: float
+        self,
+        ctrl: MPI.Comm,
+        data: MPI.Comm,
+        push: MPI.Comm,
+        limits: FrameLimits,
+        transfer_timeout: float,
+        tag_mod: int,
     ):
         self.ctrl = ctrl
+        self.push = push
+        self.tag_mod = tag_mod
         # Per source rank: frames and bytes received (complete, or abandoned).
         self.received_from = [[0, 0] for _ in range(ctrl.Get_size())]
         self.data = data
@@ -60,6 +74,11 @@ class Receiver:
         self.incoming: list[_Incoming] = []
         # Receives cancelled at their deadline, until MPI confirms the cancellation.
         self.cancelled: list[MPI.Request] = []
+        # Pushes answered (cleared with their buffers, or refused) but not over: tested
+        # until their requests complete; until then a sender may write into the buffers.
+        self.promised: list[tuple[PushReceive, list]] = []
+        # Senders answered since the transport last rang them (they may nap).
+        self.answered: list[int] = []
         self._buffers = ReceiveBufferPool()
         self._status = MPI.Status()
 
@@ -70,7 +89,18 @@ class Receiver:
             progressed |= self._test_transfers(ready)
         if self.cancelled:
             self.cancelled = [r for r in self.cancelled if not _settled(r)]
+        if self.promised:
+            self.promised = [p for p in self.promised if not _all_settled(p[0].requests)]
+        pool = self._buffers
+        if pool.pooled_bytes:
+            now = time.monotonic()
+            if now >= pool.next_trim:
+                pool.trim(now)
         return progressed
+
+    def owns(self, t) -> bool:
+        """Whether ``t`` is (a view of) a receive buffer (safe from any thread)."""
+        return self._buffers.owns(t)
 
     def frame_waiting(self) -> bool:
         # Twice: MPICH matches before it makes progress (see _poll_frames).
@@ -104,6 +134,11 @@ class Receiver:
             except MalformedFrame as e:
                 e.source = source
                 ready.append(e)
+                if e.frame is not None and _pushes(e.frame):
+                    # Its sender waits for an answer before it writes anything.
+                    refusal = PushReceive(self.push, source, push_tags(tag, self.tag_mod), None)
+                    self.promised.append((refusal, []))
+                    self.answered.append(source)
 
     def _receive(self, source: int, tag: int, raw: bytearray, ready: collections.deque) -> None:
         if len(raw) > self.limits.max_message_bytes:
@@ -113,20 +148,32 @@ class Receiver:
         if log is not None:
             log.received(frame.kind.name, source, tag, len(raw) + sum(m[2] for m in frame.metas))
         tensors = []
-        requests = []
-        sizes = []
+        pulled = []  # views MPI fills, in the order their sender posted them
+        pushed = []
         try:
             for meta in frame.metas:
                 t = allocate_tensor(meta, self._buffers)
                 tensors.append(t)
                 if meta[3] is None:  # not inline: the bytes follow on ``data``
                     self.received_from[source][1] += meta[2]
-                    for chunk in chunks(tensor_bytes_view(t)):
-                        requests.append(self.data.Irecv([chunk, MPI.BYTE], source, tag))
-                        sizes.append(chunk.size)
+                    pulled.append(tensor_bytes_view(t))
+                elif meta[3] is PUSHED:
+                    self.received_from[source][1] += meta[2]
+                    pushed.append(tensor_bytes_view(t))
         except MemoryError:
-            self._abandon(requests)
             raise MalformedFrame("no memory for its tensors", frame) from None
+        push = None
+        if pushed:
+            push = PushReceive(self.push, source, push_tags(tag, self.tag_mod), pushed)
+            self.answered.append(source)
+        requests = []
+        sizes = []
+        for view in pulled:
+            for chunk in chunks(view):
+                requests.append(self.data.Irecv([chunk, MPI.BYTE], source, tag))
+                sizes.append(chunk.size)
+        if push is not None:
+            requests += push.requests
         # Frames from one source are handed over in the order they came: one whose
         # bytes are still arriving holds back the later ones.
         if requests or any(item.source == source for item in self.incoming):
@@ -137,6 +184,7 @@ class Receiver:
                     tensors,
                     requests,
                     sizes,
+                    push,
                     time.monotonic() + self.transfer_timeout,
                 )
             )
@@ -172,18 +220,26 @@ class Receiver:
             if not MPI.Request.Testall(item.requests, statuses):
                 if now < item.deadline:
                     return None
-                self._abandon(item.requests)
+                self._abandon_item(item)
                 return (
                     f"its tensor bytes did not arrive within {self.transfer_timeout:g} s; "
                     "the transfer was abandoned"
                 )
         except MPI.Exception as e:
-            self._abandon(item.requests)
+            self._abandon_item(item)
             return f"its tensor bytes could not be received ({e.Get_error_string()})"
-        received = [s.Get_count(MPI.BYTE) for s in statuses]
+        received = [s.Get_count(MPI.BYTE) for s in statuses[: len(item.sizes)]]
         if received != item.sizes:
             return f"it declared {sum(item.sizes)} tensor bytes but {sum(received)} arrived"
+        if item.push is not None:
+            return item.push.problem() or _COMPLETE
         return _COMPLETE
+
+    def _abandon_item(self, item: _Incoming) -> None:
+        """Cancel its MPI receives; pushed buffers stay promised until DONE comes."""
+        self._abandon(item.requests[: len(item.sizes)])
+        if item.push is not None:
+            self.promised.append((item.push, item.tensors))
 
     def _abandon(self, requests: list[MPI.Request]) -> None:
         """Cancel receives; they are tested until MPI confirms (never waited for)."""
@@ -193,6 +249,19 @@ class Receiver:
                     request.Cancel()
                 if not _settled(request):
                     self.cancelled.append(request)
+
+
+def _pushes(frame: Frame) -> bool:
+    """Whether a frame marks any tensor as pushed (its metas may be malformed)."""
+    metas = frame.metas if type(frame.metas) is tuple else ()
+    return any(type(m) is tuple and len(m) == 5 and m[3] is PUSHED for m in metas)
+
+
+def _all_settled(requests: list[MPI.Request]) -> bool:
+    try:
+        return MPI.Request.Testall(requests)
+    except MPI.Exception:
+        return True
 
 
 def _settled(request: MPI.Request) -> bool:

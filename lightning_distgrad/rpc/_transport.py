@@ -17,10 +17,14 @@ validate goes to ``on_malformed``, an error raised while handling a frame is
 logged, and tensor bytes that never arrive are abandoned at the transfer
 deadline.
 
+Big tensors to a peer on this node are written by the sender into the
+receiver's buffer (see ``_push``); the polling thread makes those writes outside
+the lock.
+
 Communicators (all duplicates of the user's, so no one else's traffic can
 match ours): ``ctrl`` carries frames (probed with ANY_SOURCE), ``data`` carries
-tensor bytes matched by exact (source, tag), ``coll`` carries the shutdown
-collectives.
+tensor bytes matched by exact (source, tag), ``push`` the control messages of
+pushed tensors, ``coll`` carries the shutdown collectives.
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ from .._mpi_wait import NAP_MAX_S, nap_until
 from ._abort import abort_mpi_job
 from ._doorbell import Backoff, node_doorbell
 from ._profiling import active_log
+from ._push import PushSend, push_tags, should_push, writable_peers
 from ._receiving import Receiver
 from ._wire import (
+    PUSHED,
     Frame,
     FrameLimits,
     MalformedFrame,
@@ -131,16 +137,21 @@ class Transport:
             )
         self.ctrl = comm.Dup()
         self.data = comm.Dup()
+        self.push = comm.Dup()
         self.coll = comm.Dup()
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._tag_mod = min((self.ctrl.Get_attr(MPI.TAG_UB) or 32767) + 1, 1 << 20)
         self._bell, oversubscribed = node_doorbell(comm, self.rank)
+        self._push_pids = writable_peers(comm)  # peers whose buffers this rank writes
         # Spinning only pays where every rank of the node has a core of its own.
         self.spin = not oversubscribed
         self._on_frame = on_frame
         self._on_malformed = on_malformed
-        self._receiver = Receiver(self.ctrl, self.data, limits, transfer_timeout)
+        self._transfer_timeout = transfer_timeout
+        self._receiver = Receiver(
+            self.ctrl, self.data, self.push, limits, transfer_timeout, self._tag_mod
+        )
         # Everything below is guarded by _lock.
         self._lock = threading.Lock()
         self._state = State.RUNNING
@@ -152,7 +163,9 @@ class Transport:
         self._send_seq = [0] * self.size
         self._frames_sent = 0
         self._sent_to = [[0, 0] for _ in range(self.size)]  # per peer: frames, bytes
-        self._sends: list[tuple[list[MPI.Request], object]] = []
+        # Per message: (MPI requests, what they send from, PushSend or None).
+        self._sends: list[tuple[list[MPI.Request], object, PushSend | None]] = []
+        self._writes: list[PushSend] = []  # cleared pushes, for the polling thread
         self._ready: collections.deque = collections.deque()  # frames and deferred calls
         self._deliverer: int | None = None  # ident of the thread handling _ready's items
         # Calls queued without the lock (call_soon); a deque's append is atomic.
@@ -179,25 +192,37 @@ class Transport:
         ``devices`` gives each tensor's device on the receiver (default: CPU).
         """
         buffers = []
+        pushed = []
         metas = []
+        push = dst in self._push_pids
         for i, t in enumerate(tensors):
             meta, data = prepare_tensor(t, devices[i] if devices else "cpu")
-            metas.append(meta)
             if data is not None:
-                buffers.append(data)
-        self.send_raw(dst, frame.dumps(tuple(metas)), buffers, frame.kind.name)
+                if push and should_push(data.nbytes, self._receiver.owns(data)):
+                    meta = (*meta[:3], PUSHED, meta[4])
+                    pushed.append(data)
+                else:
+                    buffers.append(data)
+            metas.append(meta)
+        self.send_raw(dst, frame.dumps(tuple(metas)), buffers, frame.kind.name, pushed)
 
     def send_raw(
-        self, dst: int, raw: bytes, buffers: list[torch.Tensor] = (), kind: str = "raw"
+        self,
+        dst: int,
+        raw: bytes,
+        buffers: list[torch.Tensor] = (),
+        kind: str = "raw",
+        pushed: list[torch.Tensor] = (),
     ) -> None:
-        """Post encoded frame bytes, then each buffer's bytes, to ``dst`` (in order)."""
+        """Post encoded frame bytes, then each buffer's bytes, to ``dst`` (in order);
+        ``pushed`` tensors are written into the receiver's buffers once it says where."""
         with self._lock:
             seq = self._send_seq[dst]
             self._send_seq[dst] = seq + 1
             tag = seq % self._tag_mod
             self._frames_sent += 1
             sent = self._sent_to[dst]
-            nbytes = len(raw) + sum(t.nbytes for t in buffers)
+            nbytes = len(raw) + sum(t.nbytes for t in buffers) + sum(t.nbytes for t in pushed)
             sent[0] += 1
             sent[1] += nbytes
             log = active_log()
@@ -207,7 +232,17 @@ class Transport:
             for t in buffers:
                 for chunk in chunks(tensor_bytes_view(t)):
                     requests.append(self.data.Isend([chunk, MPI.BYTE], dst, tag))
-            self._sends.append((requests, (raw, buffers)))
+            push = None
+            if pushed:
+                push = PushSend(
+                    self.push,
+                    dst,
+                    self._push_pids[dst],
+                    [tensor_bytes_view(t) for t in pushed],
+                    push_tags(tag, self._tag_mod),
+                    time.monotonic() + self._transfer_timeout,
+                )
+            self._sends.append((requests, (raw, buffers), push))
         if dst == self.rank:
             self._bell.ring_self()  # our own poller may nap
         else:
@@ -308,7 +343,7 @@ class Transport:
         self._thread.join()
 
     def free(self) -> None:
-        for comm in (self.ctrl, self.data, self.coll):
+        for comm in (self.ctrl, self.data, self.push, self.coll):
             comm.Free()
         self._bell.close()
 
@@ -436,12 +471,24 @@ class Transport:
                 self._last_traffic = now
             while self._timers and self._timers[0][0] <= now:
                 self._ready.append(heapq.heappop(self._timers)[2])
-            if not self._ready or self._deliverer not in (None, me):
-                return progressed
-            outer = self._deliverer is None
-            self._deliverer = me
-            items = list(self._ready)
-            self._ready.clear()
+            writes = self._writes
+            if writes:
+                self._writes = []
+            answered = self._receiver.answered
+            if answered:
+                self._receiver.answered = []
+            items = None
+            if self._ready and self._deliverer in (None, me):
+                outer = self._deliverer is None
+                self._deliverer = me
+                items = list(self._ready)
+                self._ready.clear()
+        for peer in answered:
+            self._bell.ring(peer)  # it waits for our clear-to-send
+        if writes:
+            self._write(writes)
+        if items is None:
+            return progressed
         while items:
             for item in items:
                 self._run_item(item)
@@ -451,6 +498,16 @@ class Transport:
                 if not items and outer:
                     self._deliverer = None
         return progressed
+
+    def _write(self, pushes: list[PushSend]) -> None:
+        """Write cleared pushes into their receivers' buffers, then send their DONEs."""
+        for push in pushes:
+            outcome = push.write()
+            with self._lock:
+                push.finish(outcome)
+            self._bell.ring(push.dst)
+        with self._lock:
+            self._last_traffic = time.monotonic()
 
     def _run_item(self, item) -> None:
         if callable(item):
@@ -481,10 +538,21 @@ class Transport:
     def _post_and_poll(self) -> bool:
         progressed = self._receiver.poll(self._ready)
         if self._sends:
-            pending = [s for s in self._sends if not MPI.Request.Testall(s[0])]
+            pending = [s for s in self._sends if not self._sent(s)]
             progressed |= len(pending) != len(self._sends)
             self._sends = pending
         return progressed
+
+    def _sent(self, entry: tuple) -> bool:
+        """Whether a message's sends (and its push) are over; queues cleared pushes."""
+        requests, _, push = entry
+        if push is not None:
+            step = push.step(time.monotonic())
+            if step == "write":
+                self._writes.append(push)
+            if step != "over":
+                return False
+        return MPI.Request.Testall(requests)
 
     def _until_next_timer(self) -> float:
         with self._lock:

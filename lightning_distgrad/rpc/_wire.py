@@ -9,20 +9,21 @@ table (``persistent_id``), like ``torch.distributed.rpc.internal``.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import enum
 import io
 import math
 import pickle
-import sys
 import threading
 import types
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from ._buffers import ReceiveBufferPool
 
 __all__ = [
     "Kind",
@@ -36,18 +37,10 @@ __all__ = [
     "current_pickling_context",
     "prepare_tensor",
     "allocate_tensor",
-    "ReceiveBufferPool",
 ]
 
 #: Tensors up to this size travel inside the frame (saves one MPI message).
 INLINE_LIMIT = 64 * 1024
-#: Receive buffers at least this big are pooled (see :class:`ReceiveBufferPool`).
-POOL_MIN_BYTES = 1 << 20
-#: At most this many bytes of pooled receive buffers, in use or free.
-POOL_MAX_BYTES = 512 << 20
-#: Pooled receive buffers start on a page boundary: MPICH's single-copy (CMA)
-#: path fills misaligned buffers several times slower.
-BUFFER_ALIGN = 4096
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
@@ -106,7 +99,7 @@ class Frame(NamedTuple):
     kind: Kind
     call_id: int  # REQUEST and RESPONSE; -1 for one-way kinds
     payload: bytes | None  # None: a RESPONSE whose value is its one tensor
-    # One (dtype code, shape, nbytes, inline bytes or None, device) per tensor.
+    # One (dtype code, shape, nbytes, inline bytes or None or PUSHED, device) per tensor.
     metas: tuple = ()
     # A call's distributed-autograd metadata, or a one-way kind's typed body (sent as a
     # plain tuple).
@@ -225,6 +218,8 @@ def _meta_problem(meta: Any, limits: FrameLimits) -> str | None:
             f"({_size(limits.max_message_bytes)}); raise it with "
             "MPIRpcBackendOptions(max_message_bytes=...) on the receiver"
         )
+    if inline is PUSHED:
+        return None
     if inline is not None and (type(inline) not in (bytes, bytearray) or len(inline) != nbytes):
         return f"its inline bytes do not match the declared {nbytes} bytes"
     if type(device) is not str or device not in limits.devices:
@@ -343,6 +338,10 @@ _ITEMSIZES = tuple(dtype.itemsize for dtype in _DTYPES)
 DTYPE_TABLE = tuple(str(dtype) for dtype in _DTYPES)
 
 
+#: A meta's inline slot for a tensor whose sender writes its bytes into the receiver's
+#: buffer (see ``_push``); ``None`` there: they follow on the ``data`` communicator.
+PUSHED = True
+
 #: Tensor bytes go in chunks of at most 1 GiB: portable beyond MPI-4 large counts.
 CHUNK_BYTES = 1 << 30
 
@@ -389,48 +388,11 @@ def to_target_device(t: torch.Tensor, meta: tuple) -> torch.Tensor:
     return t if meta[4] == "cpu" else t.to(meta[4])
 
 
-class ReceiveBufferPool:
-    """Reuses big receive buffers once no tensor uses them any more.
-
-    A fresh big buffer costs page faults on first touch, as much as moving its
-    bytes; a reused one costs nothing. A buffer is a numpy array that
-    every tensor made from it keeps alive, so it is free again exactly when its
-    reference count drops back to the pool's own references. Bounded by
-    ``max_bytes``; beyond it buffers are not pooled. Not thread-safe: the
-    transport calls it under its MPI lock.
-    """
-
-    def __init__(self, min_bytes: int = POOL_MIN_BYTES, max_bytes: int = POOL_MAX_BYTES):
-        self.min_bytes = min_bytes
-        self.max_bytes = max_bytes
-        self.pooled_bytes = 0
-        self._by_size: dict[int, list[np.ndarray]] = collections.defaultdict(list)
-
-    def take(self, nbytes: int) -> np.ndarray:
-        buffers = self._by_size[nbytes]
-        for buf in buffers:
-            # References: the list, ``buf`` and getrefcount's argument.
-            if sys.getrefcount(buf) == 3:
-                return buf
-        buf = _aligned_empty(nbytes)
-        if self.pooled_bytes + nbytes <= self.max_bytes:
-            buffers.append(buf)
-            self.pooled_bytes += nbytes
-        return buf
-
-
-def _aligned_empty(nbytes: int, align: int = BUFFER_ALIGN) -> np.ndarray:
-    """An uninitialised uint8 array whose data starts at a multiple of ``align``."""
-    raw = np.empty(nbytes + align, dtype=np.uint8)  # numpy madvises huge pages
-    start = -raw.ctypes.data % align
-    return raw[start : start + nbytes]
-
-
 def allocate_tensor(meta: tuple, pool: ReceiveBufferPool | None = None) -> torch.Tensor:
     """A CPU tensor for ``meta``: filled from the frame, or empty for MPI to fill."""
     code, shape, nbytes, inline, _ = meta
     dtype = _DTYPES[code]
-    if inline is not None:
+    if inline is not None and inline is not PUSHED:
         if not nbytes:
             return torch.empty(shape, dtype=dtype)
         flat = torch.frombuffer(inline, dtype=dtype)
