@@ -259,7 +259,9 @@ def _poll_until(transport: Transport, done) -> bool:
 
 def _drain_sends(transport: Transport) -> None:
     # A send completes once its receive matches.
-    assert _poll_until(transport, lambda: not transport._sends), "the frame was never received"
+    assert _poll_until(transport, lambda: not transport._sender.sends), (
+        "the frame was never received"
+    )
 
 
 def test_a_frame_to_ourselves_wakes_our_own_napping_progress_thread():

@@ -36,7 +36,8 @@ def make(n: int, seed: float) -> torch.Tensor:
 @pytest.fixture
 def transport(rpc_world):
     transport = _core.require_agent().transport
-    can = rpc_world.comm.allreduce(rpc_world.peer_rank() in transport._push_pids, op=MPI.LAND)
+    writes = rpc_world.peer_rank() in transport._sender.push_pids
+    can = rpc_world.comm.allreduce(writes, op=MPI.LAND)
     if not can:
         pytest.skip("this kernel refuses writes into a peer process (no ptrace permission)")
     return transport
@@ -80,6 +81,17 @@ def test_big_tensors_are_pushed_and_arrive_exactly(rpc_world, transport, writes)
     # Our request's tensor and the result made by our peer's request: pushed. The echo's
     # reply is a receive buffer, which its receiver pulls (MPI) instead.
     assert sorted(writes) == sorted([raw.numel(), N * 3 * 4])
+    peers = rpc.api._get_debug_info()["peers"]
+    assert (
+        peers[rpc_world.peer()]["writes_directly"] and not peers[rpc_world.name]["writes_directly"]
+    )
+
+
+@mpi
+def test_pushing_is_off_with_its_variable_at_zero(rpc_world, transport, monkeypatch):
+    assert set(_push.writable_peers(rpc_world.comm)) == set(transport._sender.push_pids)
+    monkeypatch.setenv(_push.PUSH_ENV, "0")
+    assert _push.writable_peers(rpc_world.comm) == {}
 
 
 @mpi
@@ -104,7 +116,7 @@ def test_a_refused_push_fails_the_call_and_ends_on_the_sender(rpc_world, transpo
     finally:
         receiver.limits = limits
         rpc_world.barrier()
-    assert wait_until(lambda: not transport._sends and not receiver.promised)
+    assert wait_until(lambda: not transport._sender.sends and not receiver.promised)
     assert torch.equal(
         rpc.rpc_sync(rpc_world.peer(), echo, (torch.ones(2 * N),)), torch.ones(2 * N)
     )
@@ -121,7 +133,7 @@ def _pushed_request(transport, world, nbytes: int) -> tuple[rpc.Future, tuple[in
         if frame.kind is not Kind.REQUEST:  # replies of other threads go out intact
             return original(dst, frame, tensors, devices)
         transport.send_raw(dst, frame.dumps((meta,)), [])
-        tag = (transport._send_seq[dst] - 1) % transport._tag_mod
+        tag = (transport._sender.next_seq[dst] - 1) % transport._tag_mod
         tags.append(_push.push_tags(tag, transport._tag_mod))
 
     transport.send = hostile
@@ -159,7 +171,7 @@ def test_bytes_written_by_hand_arrive(rpc_world, transport):
     assert header[0] == _push.CLEAR
     values = make(N, 3.0)
     outcome = _push.write_remote(
-        transport._push_pids[peer], _wire.tensor_bytes_view(values), int(header[1])
+        transport._sender.push_pids[peer], _wire.tensor_bytes_view(values), int(header[1])
     )
     assert outcome == 0
     _done(transport, peer, done, _push.WRITTEN)
@@ -196,7 +208,7 @@ def test_a_push_never_written_is_abandoned_and_its_buffer_kept_until_done(
     # The late write still lands in live memory; DONE then frees it.
     values = make(N, 5.0)
     outcome = _push.write_remote(
-        transport._push_pids[peer], _wire.tensor_bytes_view(values), int(header[1])
+        transport._sender.push_pids[peer], _wire.tensor_bytes_view(values), int(header[1])
     )
     assert outcome == 0
     _done(transport, peer, done, _push.WRITTEN)
@@ -208,13 +220,14 @@ def test_a_push_never_written_is_abandoned_and_its_buffer_kept_until_done(
 def test_a_sender_without_clear_to_send_gives_up_at_its_deadline(rpc_world, transport, caplog):
     """A frame the receiver cannot read gets no clear-to-send: the sender's push ends at
     the transfer deadline (DONE says it gave up) instead of holding its send forever."""
-    transport._transfer_timeout, timeout = 1.0, transport._transfer_timeout
+    sender = transport._sender
+    sender.transfer_timeout, timeout = 1.0, sender.transfer_timeout
     rpc_world.barrier()
     try:
         transport.send_raw(rpc_world.peer_rank(), b"not a frame", [], "raw", [torch.ones(N)])
-        assert transport._sends
-        assert wait_until(lambda: not transport._sends, timeout=10.0)
+        assert sender.sends
+        assert wait_until(lambda: not sender.sends, timeout=10.0)
     finally:
-        transport._transfer_timeout = timeout
+        sender.transfer_timeout = timeout
     assert wait_until(lambda: "malformed frame" in caplog.text), caplog.text
     rpc_world.barrier()

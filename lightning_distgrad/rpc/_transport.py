@@ -17,9 +17,10 @@ validate goes to ``on_malformed``, an error raised while handling a frame is
 logged, and tensor bytes that never arrive are abandoned at the transfer
 deadline.
 
-Big tensors to a peer on this node are written by the sender into the
-receiver's buffer (see ``_push``); the polling thread makes those writes outside
-the lock.
+The sending side (``_sending``) and the receiving side (``_receiving``) keep
+their own state, under the same lock. Big tensors to a peer on this node are
+written by the sender into the receiver's buffer (see ``_push``); the polling
+thread makes those writes outside the lock.
 
 Communicators (all duplicates of the user's, so no one else's traffic can
 match ours): ``ctrl`` carries frames (probed with ANY_SOURCE), ``data`` carries
@@ -47,19 +48,10 @@ from mpi4py import MPI
 from .._mpi_wait import NAP_MAX_S, nap_until
 from ._abort import abort_mpi_job
 from ._doorbell import Backoff, node_doorbell
-from ._profiling import active_log
-from ._push import PushSend, push_tags, should_push, writable_peers
+from ._push import PushSend
 from ._receiving import Receiver
-from ._wire import (
-    PUSHED,
-    Frame,
-    FrameLimits,
-    MalformedFrame,
-    chunks,
-    prepare_tensor,
-    tensor_bytes_view,
-    to_target_device,
-)
+from ._sending import Sender
+from ._wire import Frame, FrameLimits, MalformedFrame, to_target_device
 
 log = logging.getLogger("lightning_distgrad.rpc")
 
@@ -140,18 +132,16 @@ class Transport:
         self.push = comm.Dup()
         self.coll = comm.Dup()
         self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
         self._tag_mod = min((self.ctrl.Get_attr(MPI.TAG_UB) or 32767) + 1, 1 << 20)
         self._bell, oversubscribed = node_doorbell(comm, self.rank)
-        self._push_pids = writable_peers(comm)  # peers whose buffers this rank writes
         # Spinning only pays where every rank of the node has a core of its own.
         self.spin = not oversubscribed
         self._on_frame = on_frame
         self._on_malformed = on_malformed
-        self._transfer_timeout = transfer_timeout
         self._receiver = Receiver(
             self.ctrl, self.data, self.push, limits, transfer_timeout, self._tag_mod
         )
+        self._sender = Sender(self.ctrl, self.data, self.push, transfer_timeout, self._tag_mod)
         # Everything below is guarded by _lock.
         self._lock = threading.Lock()
         self._state = State.RUNNING
@@ -160,12 +150,6 @@ class Transport:
         # bell is armed so that peers ring it for the next frame (see _hand_back).
         self._armed_for_hand_back = False
         self._handlers_running = 0
-        self._send_seq = [0] * self.size
-        self._frames_sent = 0
-        self._sent_to = [[0, 0] for _ in range(self.size)]  # per peer: frames, bytes
-        # Per message: (MPI requests, what they send from, PushSend or None).
-        self._sends: list[tuple[list[MPI.Request], object, PushSend | None]] = []
-        self._writes: list[PushSend] = []  # cleared pushes, for the polling thread
         self._ready: collections.deque = collections.deque()  # frames and deferred calls
         self._deliverer: int | None = None  # ident of the thread handling _ready's items
         # Calls queued without the lock (call_soon); a deque's append is atomic.
@@ -191,20 +175,8 @@ class Transport:
 
         ``devices`` gives each tensor's device on the receiver (default: CPU).
         """
-        buffers = []
-        pushed = []
-        metas = []
-        push = dst in self._push_pids
-        for i, t in enumerate(tensors):
-            meta, data = prepare_tensor(t, devices[i] if devices else "cpu")
-            if data is not None:
-                if push and should_push(data.nbytes, self._receiver.owns(data)):
-                    meta = (*meta[:3], PUSHED, meta[4])
-                    pushed.append(data)
-                else:
-                    buffers.append(data)
-            metas.append(meta)
-        self.send_raw(dst, frame.dumps(tuple(metas)), buffers, frame.kind.name, pushed)
+        raw, buffers, pushed = self._sender.split(dst, frame, tensors, devices, self._receiver.owns)
+        self.send_raw(dst, raw, buffers, frame.kind.name, pushed)
 
     def send_raw(
         self,
@@ -217,32 +189,7 @@ class Transport:
         """Post encoded frame bytes, then each buffer's bytes, to ``dst`` (in order);
         ``pushed`` tensors are written into the receiver's buffers once it says where."""
         with self._lock:
-            seq = self._send_seq[dst]
-            self._send_seq[dst] = seq + 1
-            tag = seq % self._tag_mod
-            self._frames_sent += 1
-            sent = self._sent_to[dst]
-            nbytes = len(raw) + sum(t.nbytes for t in buffers) + sum(t.nbytes for t in pushed)
-            sent[0] += 1
-            sent[1] += nbytes
-            log = active_log()
-            if log is not None:
-                log.sent(kind, dst, tag, nbytes)
-            requests = [self.ctrl.Isend([raw, MPI.BYTE], dst, tag)]
-            for t in buffers:
-                for chunk in chunks(tensor_bytes_view(t)):
-                    requests.append(self.data.Isend([chunk, MPI.BYTE], dst, tag))
-            push = None
-            if pushed:
-                push = PushSend(
-                    self.push,
-                    dst,
-                    self._push_pids[dst],
-                    [tensor_bytes_view(t) for t in pushed],
-                    push_tags(tag, self._tag_mod),
-                    time.monotonic() + self._transfer_timeout,
-                )
-            self._sends.append((requests, (raw, buffers), push))
+            self._sender.post(dst, raw, buffers, kind, pushed)
         if dst == self.rank:
             self._bell.ring_self()  # our own poller may nap
         else:
@@ -267,10 +214,11 @@ class Transport:
 
     def frames_sent(self) -> int:
         with self._lock:
-            return self._frames_sent
+            return self._sender.frames_sent
 
     def traffic(self) -> list[dict[str, int]]:
-        """Per peer rank: frames and bytes sent to it and received from it so far."""
+        """Per peer rank: frames and bytes sent to it and received from it so far, and
+        whether big tensors to it are written into its buffers (see ``_push``)."""
         with self._lock:
             return [
                 {
@@ -278,8 +226,11 @@ class Transport:
                     "bytes_sent": s[1],
                     "messages_received": r[0],
                     "bytes_received": r[1],
+                    "writes_directly": rank in self._sender.push_pids,
                 }
-                for s, r in zip(self._sent_to, self._receiver.received_from, strict=True)
+                for rank, (s, r) in enumerate(
+                    zip(self._sender.sent_to, self._receiver.received_from, strict=True)
+                )
             ]
 
     def is_progress_thread(self, ident: int) -> bool:
@@ -366,7 +317,7 @@ class Transport:
         while True:
             with self._lock:
                 if self._state is State.STOPPING and (
-                    not self._sends or time.monotonic() > self._stop_deadline
+                    not self._sender.sends or time.monotonic() > self._stop_deadline
                 ):
                     self._state = State.STOPPED
                     break
@@ -409,7 +360,7 @@ class Transport:
                 self._armed_for_hand_back = True
                 self._bell.arm()
             pending = bool(
-                self._sends
+                self._sender.sends
                 or self._receiver.incoming
                 or self._ready
                 or self._soon
@@ -439,7 +390,7 @@ class Transport:
                 and (
                     idle_for < HOT_S
                     or (self._receiver.incoming and idle_for < TRANSFER_HOT_S)
-                    or (self._sends and idle_for < TRANSFER_HOT_S)
+                    or (self._sender.sends and idle_for < TRANSFER_HOT_S)
                 )
             )
             limit = self._until_next_timer_locked(now)
@@ -471,9 +422,7 @@ class Transport:
                 self._last_traffic = now
             while self._timers and self._timers[0][0] <= now:
                 self._ready.append(heapq.heappop(self._timers)[2])
-            writes = self._writes
-            if writes:
-                self._writes = []
+            writes = self._sender.take_writes()
             answered = self._receiver.answered
             if answered:
                 self._receiver.answered = []
@@ -537,22 +486,7 @@ class Transport:
 
     def _post_and_poll(self) -> bool:
         progressed = self._receiver.poll(self._ready)
-        if self._sends:
-            pending = [s for s in self._sends if not self._sent(s)]
-            progressed |= len(pending) != len(self._sends)
-            self._sends = pending
-        return progressed
-
-    def _sent(self, entry: tuple) -> bool:
-        """Whether a message's sends (and its push) are over; queues cleared pushes."""
-        requests, _, push = entry
-        if push is not None:
-            step = push.step(time.monotonic())
-            if step == "write":
-                self._writes.append(push)
-            if step != "over":
-                return False
-        return MPI.Request.Testall(requests)
+        return self._sender.poll() | progressed
 
     def _until_next_timer(self) -> float:
         with self._lock:

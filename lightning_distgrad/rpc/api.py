@@ -358,8 +358,9 @@ def _get_debug_info() -> dict[str, Any]:
     """This worker's RRef, agent and distributed autograd figures, as torch's.
 
     ``peers`` maps each worker's name to the messages and bytes sent to and
-    received from it; ``handler_queue_depth`` counts requests waiting for a
-    worker thread.
+    received from it, and ``writes_directly``: whether big tensors to it are
+    written straight into its memory (same node, permitted); ``handler_queue_depth``
+    counts requests waiting for a worker thread.
 
     Example::
         >>> # xdoctest: +SKIP
