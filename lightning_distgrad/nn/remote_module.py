@@ -21,6 +21,7 @@ from torch import nn
 from .. import rpc
 from ..rpc import _core
 from ..rpc._wire import current_pickling_context
+from ._remote_device import has_device_map, parse_remote_device, resolve_worker
 
 __all__ = ["RemoteModule"]
 
@@ -44,11 +45,6 @@ _REMOTE_MODULE_ATTRIBUTES_IGNORE_FOR_PICKLING = frozenset(vars(nn.Module())) | {
     "forward_async",
     "forward",
 }
-
-_PARSE_ERROR = (
-    "Could not parse remote_device: {}. The valid format is '<workername>/<device>' "
-    "or 'rank:<rank>/<device>' or '<device>'"
-)
 
 #: ``nn.Module`` methods that make no sense on a module that lives elsewhere.
 _UNSUPPORTED_METHODS = (
@@ -184,71 +180,6 @@ def _install_generated_methods(module: RemoteModule) -> None:
 
 
 # ---------------------------------------------------------------------------
-# remote_device
-
-
-def _parse_remote_device(remote_device: str) -> tuple[str | int | None, str]:
-    """``(worker name or rank or None, device)`` from ``remote_device``; ValueError if malformed."""
-    if not isinstance(remote_device, str):
-        raise ValueError(_PARSE_ERROR.format(remote_device))
-    fields = remote_device.split("/")
-    if len(fields) == 2:
-        worker, device = fields
-    elif len(fields) == 1 and _is_device(fields[0]):
-        worker, device = None, fields[0]
-    elif len(fields) == 1:
-        worker, device = fields[0], "cpu"
-    else:
-        raise ValueError(_PARSE_ERROR.format(remote_device))
-    if worker is not None and not worker:
-        raise ValueError(_PARSE_ERROR.format(remote_device))
-    if not _is_device(device):
-        raise ValueError(_PARSE_ERROR.format(remote_device))
-    on: str | int | None = worker
-    if worker is not None and ":" in worker:
-        kind, _, rank = worker.partition(":")
-        if kind != "rank" or not rank.isdigit():
-            raise ValueError(_PARSE_ERROR.format(remote_device))
-        on = int(rank)
-    return on, str(torch.device(device))
-
-
-def _is_device(text: str) -> bool:
-    try:
-        torch.device(text)
-    except (RuntimeError, ValueError):
-        return False
-    return True
-
-
-def _resolve_worker(on: str | int | None, remote_device: str) -> tuple[str | int, str]:
-    """``(on, worker name)``; a bare device means this worker. ValueError if unknown."""
-    agent = _core.require_agent()
-    if on is None:
-        return agent.info.name, agent.info.name
-    try:
-        info = _core.resolve(agent, on)
-    except RuntimeError as e:
-        known = ", ".join(f"{w.name} (rank {w.id})" for w in agent.infos)
-        raise ValueError(
-            f"RemoteModule: remote_device {remote_device!r} names a worker that is not in this "
-            f"RPC job. Known workers: {known}."
-        ) from e
-    return on, info.name
-
-
-def _has_device_map(worker_name: str) -> bool:
-    """Whether this worker maps devices for tensors it sends to ``worker_name``."""
-    agent = _core.require_agent()
-    maps = getattr(agent, "device_maps", None)
-    if isinstance(maps, dict):  # {worker name: map}
-        return bool(maps.get(worker_name))
-    if isinstance(maps, list):  # maps[src][dst]
-        return bool(maps[agent.info.id][agent.by_name[worker_name].id])
-    return False
-
-
-# ---------------------------------------------------------------------------
 
 
 class RemoteModule(nn.Module):
@@ -379,9 +310,9 @@ class RemoteModule(nn.Module):
         return remote_module
 
     def _prepare_init(self, remote_device: str) -> None:
-        on, self.device = _parse_remote_device(remote_device)
-        self.on, name = _resolve_worker(on, remote_device)
-        self.is_device_map_set = _has_device_map(name)
+        on, self.device = parse_remote_device(remote_device)
+        self.on, name = resolve_worker(on, remote_device)
+        self.is_device_map_set = has_device_map(name)
 
     @property
     def _worker_name(self) -> str:
