@@ -10,6 +10,7 @@ A message's source buffers stay referenced until every send of it completed.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from mpi4py import MPI
@@ -38,7 +39,12 @@ class Sender:
         self.writes: list[PushSend] = []  # cleared pushes, for the polling thread
 
     def split(
-        self, dst: int, frame: Frame, tensors: list[torch.Tensor], devices, owned
+        self,
+        dst: int,
+        frame: Frame,
+        tensors: list[torch.Tensor],
+        devices: list[str] | None,
+        owned: Callable[[torch.Tensor], bool],
     ) -> tuple[bytes, list, list]:
         """(frame bytes, tensors sent by MPI, tensors pushed) of a message to ``dst``.
 
@@ -57,7 +63,7 @@ class Sender:
             metas.append(meta)
         return frame.dumps(tuple(metas)), buffers, pushed
 
-    def post(self, dst: int, raw: bytes, buffers, kind: str, pushed) -> None:
+    def post(self, dst: int, raw: bytes, buffers: list, kind: str, pushed: list) -> None:
         """Post one message's frame bytes, then each buffer's bytes; set up its push."""
         seq = self.next_seq[dst]
         self.next_seq[dst] = seq + 1
