@@ -123,6 +123,9 @@ def test_node_local_mechanisms_work_per_node(tmp_path):
         expected = "cpu" if rank == 0 else f"cuda:{same_node.index(rank) - (node == 0)}"
         assert f["gpu_with_server_0"] == expected, why
         assert f["peer_hosts"] == [NODE_NAMES[r // RANKS_PER_NODE] for r in range(WORLD)], why
+        # Big tensors: written into the memory of the node's other ranks, sent by MPI to
+        # the other node's; either way they arrive exactly.
+        assert f["writes_directly"] == others and all(f["big_tensors_echoed"]), why
     # One nap board per node, under a token of its own.
     boards = {f["board_path"] for f in facts}
     assert len(boards) == len(NODE_NAMES), facts

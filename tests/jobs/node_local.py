@@ -3,7 +3,8 @@
 Run on every rank of a job whose ranks are spread over nodes (``tests/test_two_nodes.py``
 runs it on two emulated nodes); the test asserts on the lines. It covers the node-local
 mechanisms: the shared-memory node communicator, the RPC doorbell and its nap board,
-the cluster environment's layout, and the local rank -> GPU index mapping. Collectives
+big tensors written straight into the memory of the node's ranks, the cluster
+environment's layout, and the local rank -> GPU index mapping. Collectives
 are unconditional: every rank makes the same calls in the same order.
 """
 
@@ -29,6 +30,8 @@ from lightning_distgrad.rpc._doorbell import BOARD_DIR, Doorbell, node_doorbell
 MARK = "NODE_FACTS "
 #: How long a ring may take to arrive between processes on one node.
 RING_WAIT_S = 0.5
+#: Big enough to be written into a peer's memory on the same node (see ``rpc._push``).
+BIG_TENSOR_BYTES = 4 << 20
 
 
 def board_files() -> list[str]:
@@ -111,13 +114,25 @@ def gpu_index(server_ranks: list[int]) -> str:
         return str(strategy.root_device)
 
 
+def echo(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def rpc_facts(world: MPI.Comm) -> dict[str, Any]:
-    """Every rank calls every rank once; the agent's own doorbell knows only its node."""
+    """Every rank calls every rank once; the agent's own doorbell knows only its node, and
+    it writes big tensors straight into the memory of its node's ranks only."""
     rpc.init_rpc()
     names = [rpc.rpc_sync(peer, socket.gethostname) for peer in range(world.Get_size())]
+    big = torch.arange(BIG_TENSOR_BYTES // 4, dtype=torch.float32) * (world.Get_rank() + 1)
+    echoed = [torch.equal(rpc.rpc_sync(p, echo, (big,)), big) for p in range(world.Get_size())]
     bell = _core.require_agent().transport._bell
+    peers = rpc.api._get_debug_info()["peers"]
     facts = {
         "peer_hosts": names,
+        "big_tensors_echoed": echoed,
+        "writes_directly": sorted(
+            rpc.get_worker_info(n).id for n, c in peers.items() if c["writes_directly"]
+        ),
         "agent_bell_peers": sorted(getattr(bell, "_peers", {})),
         "agent_has_board": bell.has_board(),
         "boards_with_rpc": board_files(),
