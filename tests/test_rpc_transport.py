@@ -17,7 +17,7 @@ import torch
 from _dist_utils import wait_until
 
 from lightning_distgrad import rpc
-from lightning_distgrad.rpc import _buffers, _core, _one_way, _wire
+from lightning_distgrad.rpc import _buffers, _core, _one_way, _push, _wire
 from lightning_distgrad.rpc._wire import Kind
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -281,6 +281,20 @@ def test_64mib_tensor_round_trips_exactly(rpc_world):
     made = rpc.rpc_sync(rpc_world.peer(), make_tensor, (16 << 20, 3))
     assert made.numel() * made.element_size() == 64 << 20
     assert torch.equal(made, make_tensor(16 << 20, 3))
+
+
+def test_tensors_beyond_one_mpi_message_or_one_write_arrive_exactly(rpc_world, monkeypatch):
+    """Tensors of several GiB go as several MPI messages, or several writes when pushed:
+    both limits shrunk here so that a few MiB take every path."""
+    monkeypatch.setattr(_wire, "CHUNK_BYTES", 100_003)
+    monkeypatch.setattr(_push, "_MAX_WRITE", 300_007)
+    rpc_world.barrier()  # both sides chunk alike before either sends
+    g = torch.Generator().manual_seed(rpc_world.rank)
+    pushed = torch.randint(0, 256, (3 * _push.PUSH_MIN_BYTES + 5,), dtype=torch.uint8, generator=g)
+    by_mpi = torch.randint(0, 256, (_push.PUSH_MIN_BYTES - 3,), dtype=torch.uint8, generator=g)
+    back = rpc.rpc_sync(rpc_world.peer(), echo, ([pushed, by_mpi],))
+    assert torch.equal(back[0], pushed) and torch.equal(back[1], by_mpi)
+    rpc_world.barrier()  # the peer's call is over before either restores the limits
 
 
 def test_received_big_tensors_kept_alive_are_never_overwritten(rpc_world):
