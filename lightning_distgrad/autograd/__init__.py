@@ -18,7 +18,7 @@ import torch
 
 from ..rpc import _core, _hooks
 from ..rpc._one_way import register_one_way
-from ..rpc._profiling import recording, span
+from ..rpc._profiling import run_recorded
 from ..rpc._wire import Kind
 from . import _engine, _messages
 from ._context import DistAutogradContext, check_context_id
@@ -121,11 +121,7 @@ def backward(
         ...     dist_autograd.backward(context_id, [(w * x).sum()])  # fine
         ...     dist_autograd.backward(context_id, [(w * x).sum()], strict=True)  # raises
     """
-    if not recording():
-        _engine.backward(context_id, roots, retain_graph, strict)
-        return
-    with span(_engine.BACKWARD_SPAN):
-        _engine.backward(context_id, roots, retain_graph, strict)
+    run_recorded(_engine.BACKWARD_SPAN, _engine.backward, context_id, roots, retain_graph, strict)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

@@ -40,17 +40,16 @@ pass on every worker still holding state for it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import traceback
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ..rpc import _core
-from ..rpc._profiling import recording, span
+from ..rpc._profiling import run_recorded
 from ..rpc._wire import Kind
 from ._context import ContextContainer, DistAutogradContext, check_context_id
 from ._credit import (  # noqa: F401  (re-exported)
@@ -148,7 +147,8 @@ def backward(
     try:
         with _core.require_agent().waiting_for(p.pass_id):
             try:
-                messages = local_work(p.deliver_roots, edges, [torch.ones_like(r) for r in roots])
+                ones = [torch.ones_like(r) for r in roots]
+                messages = run_recorded(LOCAL_WORK_SPAN, p.deliver_roots, edges, ones)
             except Exception as e:
                 p.return_credit(ALL_CREDIT, None, _wrap_error(cont.worker_id, e))
             else:
@@ -325,19 +325,12 @@ def decode_gradients(layout: list, tensors: list) -> list[tuple[int, list | None
     return items
 
 
-def local_work(deliver: Callable[..., list], *args: Any) -> list:
-    """``deliver(*args)``, a stretch of local engine work (recorded while spans are)."""
-    if not recording():
-        return deliver(*args)
-    with span(LOCAL_WORK_SPAN):
-        return deliver(*args)
-
-
-def _message_span(agent, name: str, src: int, dst: int, tensors: list):
+def _message_span(name: str, src: int, dst: int, tensors: list) -> tuple[str, dict]:
     """The span of one gradient message: its route in the name, its size in the args."""
-    route = f"{agent.infos[src].name} -> {agent.infos[dst].name}"
+    infos = _core.require_agent().infos
+    route = f"{infos[src].name} -> {infos[dst].name}"
     size = {"bytes": sum(t.nbytes for t in tensors), "gradients": len(tensors)}
-    return span(f"{name}({route})", size)
+    return f"{name}({route})", size
 
 
 def send_gradients(
@@ -351,11 +344,8 @@ def send_gradients(
     """One GRADIENTS frame to ``peer`` for ``(message id, gradients)`` items of pass ``p``."""
     layout, tensors = encode_gradients(items)
     body = Gradients(p.ctx._context_id(), layout, p.retain_graph, p.pass_id, credit, report)
-    if not recording():
-        agent.send_one_way(peer, Kind.GRADIENTS, body, tensors)
-        return
-    with _message_span(agent, SEND_SPAN, agent.info.id, peer, tensors):
-        agent.send_one_way(peer, Kind.GRADIENTS, body, tensors)
+    name = functools.partial(_message_span, SEND_SPAN, agent.info.id, peer, tensors)
+    run_recorded(name, agent.send_one_way, peer, Kind.GRADIENTS, body, tensors)
 
 
 def _ship(p: Pass, messages: list[tuple[int, list]], credit: Credit) -> None:
@@ -440,12 +430,9 @@ def _worker_pass(ctx: DistAutogradContext, pass_id: tuple, retain_graph: bool) -
 
 def on_gradients(source: int, body: Gradients, tensors: list[torch.Tensor]) -> None:
     """A GRADIENTS message, on the worker that sent the messages it answers."""
-    if not recording():
-        _take_gradients(source, body, tensors)
-        return
-    agent = _core.require_agent()
-    with _message_span(agent, RECEIVE_SPAN, source, agent.info.id, tensors):
-        _take_gradients(source, body, tensors)
+    me = container().worker_id
+    name = functools.partial(_message_span, RECEIVE_SPAN, source, me, tensors)
+    run_recorded(name, _take_gradients, source, body, tensors)
 
 
 def _take_gradients(source: int, body: Gradients, tensors: list[torch.Tensor]) -> None:
@@ -471,7 +458,7 @@ def _take_gradients(source: int, body: Gradients, tensors: list[torch.Tensor]) -
                 raise RuntimeError(
                     f"Could not find send function for autograd message id: {msg_id}"
                 )
-        messages = local_work(p.deliver_sends, items)
+        messages = run_recorded(LOCAL_WORK_SPAN, p.deliver_sends, items)
     except Exception as e:
         if p is not None and not is_root:
             _end_pass(ctx, p)

@@ -21,6 +21,7 @@ send waits.
 from __future__ import annotations
 
 from ..rpc import _core
+from ..rpc._profiling import run_recorded
 from . import _engine
 from ._credit import ALL_CREDIT, split_credit
 from ._pass import Pass
@@ -118,7 +119,7 @@ def _resolve(p: Pass, dead: dict[int, list[int]], me: int) -> None:
         items = [(msg_id, None) for msg_id in msg_ids]
         if worker == me:
             try:
-                messages = _engine.local_work(p.deliver_sends, items)
+                messages = run_recorded(_engine.LOCAL_WORK_SPAN, p.deliver_sends, items)
             except Exception as e:
                 p.return_credit(share, None, _engine._wrap_error(me, e))
             else:

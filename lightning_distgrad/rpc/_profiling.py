@@ -378,6 +378,19 @@ def span(name: str, args: dict | None = None) -> Iterator[None]:
         log.span(start, name, args)
 
 
+def run_recorded(
+    name: str | Callable[[], tuple[str, dict | None]], fn: Callable[..., Any], /, *args, **kwargs
+) -> Any:
+    """``fn(*args, **kwargs)``, recorded as the span ``name`` while spans are recorded
+    (see :func:`recording`); otherwise at the cost of that one check. A name that costs
+    to build comes as a function returning ``(name, args)`` (see :func:`span`)."""
+    if not recording():
+        return fn(*args, **kwargs)
+    label, extra = name() if callable(name) else (name, None)
+    with span(label, extra):
+        return fn(*args, **kwargs)
+
+
 def span_until(name: str, future: torch.futures.Future) -> torch.futures.Future:
     """Record ``name`` from now until ``future`` completes, on this thread (whichever
     thread completes the future); returns the future to use."""

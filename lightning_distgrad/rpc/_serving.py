@@ -19,7 +19,7 @@ import torch
 from .._compat import CFuture
 from . import _hooks
 from ._errors import is_async_function, not_importable, remote_error
-from ._profiling import Recorder, profiling_key, recording, span
+from ._profiling import Recorder, profiling_key, run_recorded
 from ._transport import Transport
 from ._wire import Frame, Kind, decode_payload, encode_payload
 from ._worker_info import WorkerInfo
@@ -35,10 +35,12 @@ def _decode_and_call(payload: bytes, tensors: list, route: str) -> tuple[Callabl
         func, args, kwargs = decode_payload(payload, tensors)
     except (ImportError, AttributeError) as e:
         raise not_importable(e) from e
-    if not recording():
-        return func, func(*args, **kwargs)
-    with span(profiling_key("serve", func, route)):
-        return func, func(*args, **kwargs)
+    name = functools.partial(_serve_span, func, route)
+    return func, run_recorded(name, func, *args, **kwargs)
+
+
+def _serve_span(func: Callable, route: str) -> tuple[str, None]:
+    return profiling_key("serve", func, route), None
 
 
 class Serving:

@@ -35,7 +35,7 @@ from .._compat import CFuture
 from . import _core, _hooks
 from ._agent import WorkerInfo
 from ._errors import is_async_function, set_error, timeout_error
-from ._profiling import recording, span
+from ._profiling import run_recorded
 from ._rref_context import ForkChange, _guid_str, _OwnerEntry, _require_context, _UserState
 from ._wire import Kind, current_pickling_context
 from .functions import async_execution
@@ -260,11 +260,11 @@ class RRef(Generic[T]):
             raise RuntimeError(
                 f"{self} has been deleted. Cannot call to_here() on it after deletion."
             )
-        if not recording():
-            return self._fetch(timeout)
-        agent, owner = _core.require_agent(), self._user.owner
-        with span(f"to_here#({agent.info.name})->({owner.name})"):  # torch's name
-            return self._fetch(timeout)
+        return run_recorded(self._to_here_span, self._fetch, timeout)
+
+    def _to_here_span(self) -> tuple[str, None]:
+        caller, owner = _core.require_agent().info.name, self._user.owner.name
+        return f"to_here#({caller})->({owner})", None  # torch's name
 
     def _fetch(self, timeout: float) -> T:
         """The value, from its owner (a user's ``to_here``)."""
