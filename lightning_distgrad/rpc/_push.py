@@ -140,8 +140,17 @@ class PushSend:
 
     WAITING, WRITING, FINISHING = "waiting", "writing", "finishing"
 
-    __slots__ = ("comm", "dst", "pid", "sources", "done_tag", "deadline", "header", "request")
-    __slots__ += ("state",)
+    __slots__ = (
+        "comm",
+        "dst",
+        "pid",
+        "sources",
+        "done_tag",
+        "deadline",
+        "header",
+        "request",
+        "state",
+    )
 
     def __init__(
         self,
