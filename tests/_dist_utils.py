@@ -24,6 +24,27 @@ from lightning_distgrad import rpc
 SETTLE_TIMEOUT_S = 30.0
 
 
+def make_trainer(strategy=None, **kwargs):
+    """A quiet CPU ``lightning.Trainer`` (no logger, checkpoints, summary, progress bar or
+    validation) on ``strategy``, by default ``DistAutogradStrategy(num_servers=1)``;
+    ``kwargs`` add to or override its options."""
+    import lightning as L
+
+    from lightning_distgrad import DistAutogradStrategy
+
+    options = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    options.update(kwargs)
+    return L.Trainer(strategy=strategy or DistAutogradStrategy(num_servers=1), **options)
+
+
 # ---------------------------------------------------------------------------
 # Waiting and collectives
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from _dist_utils import make_trainer
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
@@ -47,20 +48,6 @@ def world():
     from mpi4py import MPI
 
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-
-
-def make_trainer(strategy=None, **kwargs) -> L.Trainer:
-    options = dict(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    options.update(kwargs)
-    return L.Trainer(strategy=strategy or DistAutogradStrategy(num_servers=1), **options)
 
 
 def loader(dataset: Dataset, batch_size: int = BATCH) -> DataLoader:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dist_utils import make_trainer
 from _job_runner import LAUNCHER, mpi_job
 
 import lightning_distgrad.autograd as dist_autograd
@@ -357,22 +358,9 @@ def fit_pipeline(world, steps: int, **trainer_kwargs):
     sys.path.insert(0, str(REPO / "examples"))
     import lightning_pipeline
 
-    from lightning_distgrad import DistAutogradStrategy
-
     L.seed_everything(0, verbose=False)
     data = lightning_pipeline.make_dataset(steps * 8 * (world.size - 1), seed=1)
-    trainer = L.Trainer(
-        strategy=DistAutogradStrategy(num_servers=1),
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        **trainer_kwargs,
-    )
+    trainer = make_trainer(max_steps=steps, **trainer_kwargs)
     trainer.fit(lightning_pipeline.PipelineModel(), DataLoader(data, batch_size=8))
     return trainer
 
