@@ -1,0 +1,176 @@
+"""CUDA tensors over RPC, distributed autograd, RemoteModule and the Lightning strategy on a GPU.
+
+Skipped where torch sees no GPU. Every rank uses ``cuda:0``: with one GPU the ranks share it,
+which exercises the same paths as one GPU per rank. Results are compared with plain local
+autograd (or a single-process Lightning run) on the same values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist_utils import make_trainer
+from test_lightning_strategy import (
+    assert_states_close,
+    distributed_state,
+    loader,
+    local_pipeline,
+    pipeline_data,
+    pipeline_model,
+    reference_state,
+)
+from torch import nn
+
+import lightning_distgrad.autograd as dist_autograd
+from lightning_distgrad import rpc
+from lightning_distgrad.nn import RemoteModule
+from lightning_distgrad.optim import DistributedOptimizer
+
+pytestmark = [
+    pytest.mark.mpi(min_size=2),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+GPU = torch.device("cuda", 0)
+
+
+# --- Remote functions (module level: the callee imports them by name) ---------------------------
+
+
+def devices_and_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[str, str, torch.Tensor]:
+    return str(a.device), str(b.device), a + b.to(a.device)
+
+
+def scaled_tanh(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(h) * w
+
+
+class SeededLinear(nn.Linear):
+    def __init__(self, seed: int):
+        torch.manual_seed(seed)
+        super().__init__(4, 3)
+
+
+def cpu_state(module_rref: rpc.RRef) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in module_rref.local_value().state_dict().items()}
+
+
+def parameter_device(module_rref: rpc.RRef) -> str:
+    return str(next(module_rref.local_value().parameters()).device)
+
+
+# --- Fixtures ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mapped_rpc(rpc_stopped):
+    """An agent whose device maps send ``cuda:0`` to ``cuda:0`` on every other worker."""
+    options = rpc.MPIRpcBackendOptions()
+    for name in rpc_stopped.names:
+        if name != rpc_stopped.name:
+            options.set_device_map(name, {0: 0})
+    rpc.init_rpc(rpc_stopped.name, rpc_backend_options=options)
+    yield rpc_stopped
+    rpc_stopped.barrier()
+    rpc.shutdown()
+
+
+# --- RPC -----------------------------------------------------------------------------------------
+
+
+def test_cuda_tensors_arrive_on_the_mapped_device_and_replies_come_back_on_the_gpu(mapped_rpc):
+    a = torch.arange(6.0, device=GPU).reshape(2, 3)
+    b = torch.ones(2, 3)
+    a_device, b_device, total = rpc.rpc_sync(mapped_rpc.peer(), devices_and_sum, (a, b))
+    assert (a_device, b_device) == ("cuda:0", "cpu")
+    assert total.device == GPU
+    torch.testing.assert_close(total, a + b.to(GPU), rtol=0, atol=0)
+    big = torch.randn(1 << 20, device=GPU)  # 4 MiB: beyond the inline and direct-write sizes
+    _, _, echoed = rpc.rpc_sync(mapped_rpc.peer(), devices_and_sum, (big, torch.zeros(1)))
+    torch.testing.assert_close(echoed, big, rtol=0, atol=0)
+
+
+def test_a_cuda_tensor_without_a_device_map_is_refused_and_the_agent_goes_on(rpc_world):
+    x = torch.ones(3, device=GPU)
+    with pytest.raises(RuntimeError, match="no device map entry"):
+        rpc.rpc_sync(rpc_world.peer(), devices_and_sum, (x, x))
+    _, _, total = rpc.rpc_sync(rpc_world.peer(), devices_and_sum, (x.cpu(), x.cpu()))
+    assert torch.equal(total, torch.full((3,), 2.0))
+
+
+# --- Distributed autograd ------------------------------------------------------------------------
+
+
+def test_backward_through_cuda_rpcs_matches_local_autograd(mapped_rpc):
+    torch.manual_seed(mapped_rpc.rank)
+    a = torch.randn(3, 3, device=GPU, requires_grad=True)
+    b = torch.randn(3, 3, device=GPU, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        c = rpc.rpc_sync(mapped_rpc.peer(), torch.mul, (a, b))
+        loss = (c * a).sum()
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)
+    la, lb = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    ((la * lb) * la).sum().backward()
+    assert grads[a].device == GPU and grads[b].device == GPU
+    torch.testing.assert_close(grads[a], la.grad)
+    torch.testing.assert_close(grads[b], lb.grad)
+
+
+def test_gradients_of_activations_staged_through_host_memory_return_to_the_gpu(rpc_world):
+    torch.manual_seed(rpc_world.rank)
+    w = torch.randn(4, 4, device=GPU, requires_grad=True)
+    x = torch.randn(2, 4, device=GPU)
+    scale = torch.randn(2, 4, requires_grad=True)  # a CPU leaf on the same path
+    with dist_autograd.context() as context_id:
+        h = x @ w
+        out = rpc.rpc_sync(rpc_world.peer(), scaled_tanh, (h.cpu(), scale)).to(GPU)
+        dist_autograd.backward(context_id, [out.pow(2).sum()])
+        grads = dist_autograd.get_gradients(context_id)
+    lw, ls = w.detach().clone().requires_grad_(), scale.detach().clone().requires_grad_()
+    (torch.tanh(x @ lw).cpu() * ls).to(GPU).pow(2).sum().backward()
+    assert grads[w].device == GPU and grads[scale].device == torch.device("cpu")
+    torch.testing.assert_close(grads[w], lw.grad)
+    torch.testing.assert_close(grads[scale], ls.grad)
+
+
+# --- RemoteModule --------------------------------------------------------------------------------
+
+
+def test_remote_module_on_a_gpu_trains_like_a_local_module(rpc_world):
+    remote = RemoteModule(f"{rpc_world.peer()}/cuda:0", SeededLinear, args=(7,))
+    local = SeededLinear(7)
+    assert rpc.rpc_sync(remote.on, parameter_device, (remote.module_rref,)) == "cuda:0"
+    opt = DistributedOptimizer(torch.optim.SGD, remote.remote_parameters(), lr=0.1)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    torch.manual_seed(rpc_world.rank)
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        with dist_autograd.context() as context_id:
+            out = remote(x)  # no device map: inputs and outputs cross as CPU tensors
+            assert out.device == torch.device("cpu")
+            dist_autograd.backward(context_id, [out.pow(2).sum()])
+            opt.step(context_id)
+        local_opt.zero_grad()
+        local(x).pow(2).sum().backward()
+        local_opt.step()
+    trained = rpc.rpc_sync(remote.on, cpu_state, (remote.module_rref,))
+    for key, value in local.state_dict().items():
+        torch.testing.assert_close(trained[key], value)
+
+
+# --- Lightning -----------------------------------------------------------------------------------
+
+
+def test_lightning_trainers_on_the_gpu_train_like_a_single_process(rpc_world):
+    data = pipeline_data(steps_per_epoch=3)
+    trainer = make_trainer(accelerator="gpu", devices=1, max_epochs=1)
+    model = pipeline_model()
+    trainer.fit(model, loader(data))
+    if trainer.strategy.is_server:
+        assert trainer.strategy.root_device == torch.device("cpu")
+        return
+    assert trainer.strategy.root_device == GPU
+    assert next(model.first.parameters()).device == GPU
+    expected = reference_state(local_pipeline(), data, steps=3)
+    assert_states_close(distributed_state(trainer), expected, tol=1e-4)
