@@ -7,6 +7,7 @@ autograd (or a single-process Lightning run) on the same values.
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 from _dist_utils import make_trainer
@@ -162,15 +163,24 @@ def test_remote_module_on_a_gpu_trains_like_a_local_module(rpc_world):
 # --- Lightning -----------------------------------------------------------------------------------
 
 
+class DevicesSeen(L.Callback):
+    """The devices of each training batch and of the local layers while they train."""
+
+    def __init__(self):
+        self.seen: set[tuple[str, str]] = set()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.add((str(batch[0].device), str(next(pl_module.first.parameters()).device)))
+
+
 def test_lightning_trainers_on_the_gpu_train_like_a_single_process(rpc_world):
     data = pipeline_data(steps_per_epoch=3)
-    trainer = make_trainer(accelerator="gpu", devices=1, max_epochs=1)
-    model = pipeline_model()
-    trainer.fit(model, loader(data))
+    devices = DevicesSeen()
+    trainer = make_trainer(accelerator="gpu", devices=1, max_epochs=1, callbacks=[devices])
+    trainer.fit(pipeline_model(), loader(data))
     if trainer.strategy.is_server:
         assert trainer.strategy.root_device == torch.device("cpu")
         return
-    assert trainer.strategy.root_device == GPU
-    assert next(model.first.parameters()).device == GPU
+    assert devices.seen == {("cuda:0", "cuda:0")}
     expected = reference_state(local_pipeline(), data, steps=3)
     assert_states_close(distributed_state(trainer), expected, tol=1e-4)
