@@ -693,6 +693,65 @@ def test_gradients_coming_back_to_the_root_run_on_the_thread_that_waits(rpc_worl
     assert RecordBackwardThread.threads == [threading.current_thread().name]
 
 
+#: Set on the caller when the callee's backward of the caller's RPC has run.
+_callee_backward_ran = threading.Event()
+
+
+def note_callee_backward_ran() -> None:
+    _callee_backward_ran.set()
+
+
+class TellCallerOnBackward(torch.autograd.Function):
+    """Identity whose backward (on the callee) tells ``caller`` that it ran."""
+
+    @staticmethod
+    def forward(ctx, x, caller):
+        ctx.caller = caller
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rpc.rpc_async(ctx.caller, note_callee_backward_ran)
+        return grad, None
+
+
+def double_telling_caller_on_backward(x: torch.Tensor, caller: str) -> torch.Tensor:
+    return TellCallerOnBackward.apply(x, caller) * 2
+
+
+class WaitForCalleeBackward(torch.autograd.Function):
+    """Identity whose backward waits (at most 10 s) for the callee's backward and notes
+    whether it came."""
+
+    seen: list[bool] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        WaitForCalleeBackward.seen.append(_callee_backward_ran.wait(10))
+        return grad
+
+
+def test_an_rpc_results_gradient_leaves_before_local_work_that_does_not_feed_it(rpc_world):
+    """The gradient of an RPC's result goes to the callee as soon as it is known: the
+    callee's backward runs while the caller still runs the local branch beside it."""
+    _callee_backward_ran.clear()
+    WaitForCalleeBackward.seen.clear()
+    x = torch.rand(3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        remote = rpc.rpc_sync(
+            rpc_world.peer(), double_telling_caller_on_backward, (x, rpc_world.name)
+        )
+        loss = (remote + WaitForCalleeBackward.apply(x)).sum()
+        dist_autograd.backward(context_id, [loss])
+        grad = dist_autograd.get_gradients(context_id)[x]
+    assert WaitForCalleeBackward.seen == [True]
+    torch.testing.assert_close(grad, torch.full((3,), 3.0))
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="BUG: the engine captures gradients at AccumulateGrad "

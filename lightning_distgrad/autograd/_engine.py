@@ -44,6 +44,8 @@ import functools
 import itertools
 import threading
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -60,8 +62,9 @@ from ._credit import (  # noqa: F401  (re-exported)
     is_all_credit,
     split_credit,
 )
-from ._messages import CreditReturn, Gradients
-from ._pass import Pass, is_leaf_node, native_grad
+from ._graph import is_leaf_node
+from ._messages import CreditReturn, Gradients, decode_gradients, encode_gradients
+from ._pass import Pass, native_grad
 
 _container: ContextContainer | None = None
 _pass_ids = itertools.count()
@@ -146,13 +149,8 @@ def backward(
     # come back before it waits: they are the work it waits for.
     try:
         with _core.require_agent().waiting_for(p.pass_id):
-            try:
-                ones = [torch.ones_like(r) for r in roots]
-                messages = run_recorded(LOCAL_WORK_SPAN, p.deliver_roots, edges, ones)
-            except Exception as e:
-                p.return_credit(ALL_CREDIT, None, _wrap_error(cont.worker_id, e))
-            else:
-                _ship(p, messages, ALL_CREDIT)
+            ones = [torch.ones_like(r) for r in roots]
+            deliver_and_ship(p, ALL_CREDIT, p.deliver_roots, edges, ones)
             _wait_for_credit(p)
             latest = _latest_reports(p.reports + [p.report(cont.worker_id)])
             if p.error is None and not strict and any(latest.values()):
@@ -282,49 +280,6 @@ def _check_all_sends_used(context_id: int, latest: dict[int, list]) -> None:
         )
 
 
-def encode_gradients(items: list[tuple[int, list | None]]) -> tuple[list, list]:
-    """(layout, tensors) of a GRADIENTS frame for ``(message id, gradients)`` items.
-
-    A layout entry is ``(message id, count)`` when all ``count`` gradients are
-    present, ``(message id, count, present indices)`` when some are absent, and
-    ``(message id, 0, None)`` when all are.
-    """
-    layout, tensors = [], []
-    for msg_id, grads in items:
-        if grads is None:
-            layout.append((msg_id, 0, None))
-            continue
-        present = [g for g in grads if g is not None]
-        if len(present) == len(grads):
-            layout.append((msg_id, len(grads)))
-        else:
-            layout.append(
-                (msg_id, len(grads), tuple(i for i, g in enumerate(grads) if g is not None))
-            )
-        tensors.extend(present)
-    return layout, tensors
-
-
-def decode_gradients(layout: list, tensors: list) -> list[tuple[int, list | None]]:
-    """The items :func:`encode_gradients` made ``(layout, tensors)`` of."""
-    items: list[tuple[int, list | None]] = []
-    start = 0
-    for entry in layout:
-        msg_id, count = entry[0], entry[1]
-        if len(entry) == 2:
-            items.append((msg_id, tensors[start : start + count]))
-            start += count
-        elif entry[2] is None:
-            items.append((msg_id, None))
-        else:
-            grads: list = [None] * count
-            for i in entry[2]:
-                grads[i] = tensors[start]
-                start += 1
-            items.append((msg_id, grads))
-    return items
-
-
 def _message_span(name: str, src: int, dst: int, tensors: list) -> tuple[str, dict]:
     """The span of one gradient message: its route in the name, its size in the args."""
     infos = _core.require_agent().infos
@@ -348,32 +303,60 @@ def send_gradients(
     run_recorded(name, agent.send_one_way, peer, Kind.GRADIENTS, body, tensors)
 
 
-def _ship(p: Pass, messages: list[tuple[int, list]], credit: Credit) -> None:
-    """Send gradient messages, splitting ``credit`` among them; return the rest to the root.
+class Outbox:
+    """A worker's gradient messages of one delivery, sharing out the credit it came with.
 
-    A message to the root carries this worker's report itself; otherwise a
-    credit return (a CREDIT frame, applied on arrival) does.
+    Messages made while regions still run (:meth:`send_early`) take half the credit left
+    and carry no report; :meth:`finish` sends the last ones and returns the credit kept,
+    with this worker's report, to the root. A message to the root carries the report
+    itself. A message that could not be sent keeps its credit here.
     """
-    root = p.pass_id[0]
-    me = container().worker_id
-    context_id = p.ctx._context_id()
-    to_root = me != root and any(peer == root for peer, _ in messages)
-    share, kept = split_credit(credit, len(messages) + (0 if to_root else 1))
-    if not to_root:
-        kept = add_credit(kept, share)
-    report = p.report(me) if me != root else None
-    error = None
-    agent = _core.require_agent()
-    for peer, items in messages:
-        carried = report if peer == root else None
-        try:
-            send_gradients(agent, peer, p, items, share, carried)
-        except Exception as e:  # never sent: its credit and report come back here
+
+    def __init__(self, p: Pass, credit: Credit):
+        self.p = p
+        self.credit = credit
+        self.error: BaseException | None = None
+
+    def send_early(self, messages: list[tuple[int, list]]) -> None:
+        half, rest = split_credit(self.credit, 2)
+        kept, _ = self._send(messages, half, None)
+        self.credit = add_credit(add_credit(half, rest), kept)
+
+    def finish(self, messages: list[tuple[int, list]]) -> None:
+        me, root = container().worker_id, self.p.pass_id[0]
+        report = self.p.report(me) if me != root else None
+        kept, reported = self._send(messages, self.credit, report)
+        self.credit = NO_CREDIT
+        if kept[0] or not reported:
+            self._return(kept, None if reported else report, self.error)
+
+    def fail(self, error: BaseException) -> None:
+        """The delivery failed: the credit not shipped goes back to the root with ``error``."""
+        credit, self.credit = self.credit, NO_CREDIT
+        self._return(credit, None, error)
+
+    def _return(self, credit: Credit, report: tuple | None, error: BaseException | None) -> None:
+        _return_credit(self.p.ctx._context_id(), self.p.pass_id, credit, report, error)
+
+    def _send(
+        self, messages: list[tuple[int, list]], credit: Credit, report: tuple | None
+    ) -> tuple[Credit, bool]:
+        """Send ``messages`` with equal shares of ``credit``; (credit kept, report sent)."""
+        root, agent = self.p.pass_id[0], _core.require_agent()
+        reported = report is not None and any(peer == root for peer, _ in messages)
+        share, kept = split_credit(credit, len(messages) + (0 if reported else 1))
+        if not reported:
             kept = add_credit(kept, share)
-            error = error or _wrap_error(me, e).with_traceback(e.__traceback__)
-            to_root = to_root and carried is None
-    if kept[0] or not to_root:
-        _return_credit(context_id, p.pass_id, kept, None if to_root else report, error)
+        for peer, items in messages:
+            carried = report if peer == root else None
+            try:
+                send_gradients(agent, peer, self.p, items, share, carried)
+            except Exception as e:  # never sent: its credit (and report) stay here
+                kept = add_credit(kept, share)
+                me = container().worker_id
+                self.error = self.error or _wrap_error(me, e).with_traceback(e.__traceback__)
+                reported = reported and carried is None
+        return kept, reported
 
 
 def _return_credit(
@@ -458,16 +441,34 @@ def _take_gradients(source: int, body: Gradients, tensors: list[torch.Tensor]) -
                 raise RuntimeError(
                     f"Could not find send function for autograd message id: {msg_id}"
                 )
-        messages = run_recorded(LOCAL_WORK_SPAN, p.deliver_sends, items)
     except Exception as e:
         if p is not None and not is_root:
             _end_pass(ctx, p)
         error = _wrap_error(cont.worker_id, e).with_traceback(e.__traceback__)
         _return_credit(context_id, pass_id, credit, None, error)
         return
-    if not is_root and p.complete():
-        _end_pass(ctx, p)  # before the credit goes back: backward returns after that
-    _ship(p, messages, credit)
+    deliver_and_ship(p, credit, p.deliver_sends, items)
+
+
+def deliver_and_ship(p: Pass, credit: Credit, deliver: Callable, *args: Any) -> None:
+    """Run a delivery to ``p`` (``deliver(*args, ship)``) and ship the gradient messages it
+    makes, sharing ``credit``; an error goes back to the root with the credit not shipped.
+
+    A worker other than the root ends its part of the pass once that part is complete or
+    failed, before its credit goes back (the root's backward returns after that).
+    """
+    me = container().worker_id
+    outbox = Outbox(p, credit)
+    try:
+        messages = run_recorded(LOCAL_WORK_SPAN, deliver, *args, outbox.send_early)
+    except Exception as e:
+        if p.pass_id[0] != me:
+            _end_pass(p.ctx, p)
+        outbox.fail(_wrap_error(me, e).with_traceback(e.__traceback__))
+        return
+    if p.pass_id[0] != me and p.complete():
+        _end_pass(p.ctx, p)
+    outbox.finish(messages)
 
 
 def num_backward_passes() -> int:

@@ -34,3 +34,46 @@ class ContextRelease(NamedTuple):
     """CONTEXT_RELEASE: the sender released this context; release it here too."""
 
     context_id: int
+
+
+def encode_gradients(items: list[tuple[int, list | None]]) -> tuple[list, list]:
+    """(layout, tensors) of a GRADIENTS frame for ``(message id, gradients)`` items.
+
+    A layout entry is ``(message id, count)`` when all ``count`` gradients are
+    present, ``(message id, count, present indices)`` when some are absent, and
+    ``(message id, 0, None)`` when all are.
+    """
+    layout, tensors = [], []
+    for msg_id, grads in items:
+        if grads is None:
+            layout.append((msg_id, 0, None))
+            continue
+        present = [g for g in grads if g is not None]
+        if len(present) == len(grads):
+            layout.append((msg_id, len(grads)))
+        else:
+            layout.append(
+                (msg_id, len(grads), tuple(i for i, g in enumerate(grads) if g is not None))
+            )
+        tensors.extend(present)
+    return layout, tensors
+
+
+def decode_gradients(layout: list, tensors: list) -> list[tuple[int, list | None]]:
+    """The items :func:`encode_gradients` made ``(layout, tensors)`` of."""
+    items: list[tuple[int, list | None]] = []
+    start = 0
+    for entry in layout:
+        msg_id, count = entry[0], entry[1]
+        if len(entry) == 2:
+            items.append((msg_id, tensors[start : start + count]))
+            start += count
+        elif entry[2] is None:
+            items.append((msg_id, None))
+        else:
+            grads: list = [None] * count
+            for i in entry[2]:
+                grads[i] = tensors[start]
+                start += 1
+            items.append((msg_id, grads))
+    return items

@@ -8,6 +8,12 @@ engine: each *region* is one native ``torch.autograd.grad`` call that starts at
 wait for gradients from elsewhere. A node therefore runs once, with its summed
 gradient, however many regions feed it.
 
+Gradients leave as soon as they are known, as PyTorch's engine sends them
+while it runs on: when a region would finish recv functions and also run
+nodes they do not need, the nodes they need run first, in a native call of
+their own, and their gradient messages are shipped before the next region
+runs, so the peers work on them meanwhile.
+
 A send function is an identity: the gradients its peer ships go straight to
 the nodes of the tensors it sent, with no native run for the send node itself.
 
@@ -20,8 +26,9 @@ settled once every start has been.
 
 from __future__ import annotations
 
-import collections
+import functools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,10 +38,10 @@ from .._compat import engine_run_backward, num_node_inputs, tensor_hooks
 from ..rpc._errors import timeout_error
 from ._context import DistAutogradContext, sum_grads
 from ._credit import NO_CREDIT, Credit, add_credit, is_all_credit
+from ._graph import Graph, is_leaf_node
 
-
-def is_leaf_node(node: Any) -> bool:
-    return hasattr(node, "variable")
+#: Where a pass hands gradient messages ``[(peer, items)]`` to leave while it runs on.
+Ship = Callable[[list[tuple[int, list]]], None]
 
 
 def native_grad(
@@ -49,53 +56,6 @@ def native_grad(
     return engine_run_backward(
         tuple(outputs), tuple(grad_outputs), retain_graph, False, tuple(inputs), True, False
     )
-
-
-class _Graph:
-    """Edges, parents and incoming-edge counts of the nodes reachable from ``starts``."""
-
-    def __init__(self, starts: list, recvs: set):
-        self.children: dict[Any, list[tuple[Any, int]]] = {}
-        self.parents: dict[Any, list[Any]] = collections.defaultdict(list)
-        self.remaining: dict[Any, int] = collections.defaultdict(int)
-        self.boundary: set = set()
-        seen = set(starts)
-        queue = list(starts)
-        while queue:
-            node = queue.pop()
-            if node in recvs or is_leaf_node(node):
-                self.boundary.add(node)
-                self.children[node] = []
-                continue
-            kids = [(c, nr) for c, nr in node.next_functions if c is not None]
-            self.children[node] = kids
-            for child, _ in kids:
-                self.remaining[child] += 1
-                self.parents[child].append(node)
-                if child not in seen:
-                    seen.add(child)
-                    queue.append(child)
-
-    def descendants(self, nodes) -> set:
-        out: set = set()
-        queue = [c for n in nodes for c, _ in self.children[n]]
-        while queue:
-            node = queue.pop()
-            if node not in out:
-                out.add(node)
-                queue.extend(c for c, _ in self.children[node])
-        return out
-
-    def ancestors_within(self, nodes, within: set) -> set:
-        """``nodes``' parents in ``within``, transitively."""
-        out: set = set()
-        queue = [p for t in nodes for p in self.parents[t] if p in within]
-        while queue:
-            node = queue.pop()
-            if node not in out:
-                out.add(node)
-                queue.extend(p for p in self.parents[node] if p in within)
-        return out
 
 
 class Pass:
@@ -119,7 +79,7 @@ class Pass:
             self.recv_ids = {node: mid for mid, node in ctx.recvs.items()}
         self.send_nodes = sends
         self.pending_sends = set(sends)
-        self.graph = _Graph([e.node for e in root_edges] + list(sends.values()), set(self.recv_ids))
+        self.graph = Graph([e.node for e in root_edges] + list(sends.values()), set(self.recv_ids))
         for edge in root_edges:
             self.graph.remaining[edge.node] += 1
         for node in sends.values():
@@ -156,17 +116,20 @@ class Pass:
             self.empty.append(node)
 
     def deliver_roots(
-        self, root_edges: list[GradientEdge], grads: list[torch.Tensor]
+        self, root_edges: list[GradientEdge], grads: list[torch.Tensor], ship: Ship
     ) -> list[tuple[int, list]]:
-        """Gradients for the roots; returns the gradient messages to ship."""
+        """Gradients for the roots; returns the last gradient messages to ship (see ``_run``)."""
         with self.lock:
             for edge, grad in zip(root_edges, grads, strict=False):
                 self._add(edge.node, edge.output_nr, grad)
                 self._delivered(edge.node)
-            return self._run()
+            return self._run(ship)
 
-    def deliver_sends(self, items: list[tuple[int, list | None]]) -> list[tuple[int, list]]:
-        """Gradients for send functions from one peer; returns the gradient messages to ship.
+    def deliver_sends(
+        self, items: list[tuple[int, list | None]], ship: Ship
+    ) -> list[tuple[int, list]]:
+        """Gradients for send functions from one peer; returns the last gradient messages to
+        ship (see ``_run``).
 
         ``items`` are ``(message id, one gradient or None per sent tensor)``;
         ``None`` instead of the list: every gradient of that send is absent.
@@ -174,7 +137,7 @@ class Pass:
         with self.lock:
             for msg_id, grads in items:
                 self._deliver_send(msg_id, grads)
-            return self._run()
+            return self._run(ship)
 
     def _deliver_send(self, msg_id: int, grads: list | None) -> None:
         if msg_id not in self.pending_sends:
@@ -217,14 +180,21 @@ class Pass:
 
     # -- regions --------------------------------------------------------------------
 
-    def _run(self) -> list[tuple[int, list]]:
-        """Run every region that is ready; returns one gradient message per peer."""
+    def _run(self, ship: Ship) -> list[tuple[int, list]]:
+        """Run every region that is ready; returns the gradient messages (one per peer) that
+        the last region made. Those of earlier regions go to ``ship`` before the next region
+        runs, so that their peers work on them meanwhile."""
         by_peer: dict[int, list] = {}
         while True:
             self._pass_on_absence()
             self._finalize_boundary(by_peer)
-            if not self._run_region():
+            region = self._next_region()
+            if region is None:
                 return list(by_peer.items())
+            if by_peer:
+                ship(list(by_peer.items()))
+                by_peer = {}
+            region()
 
     def _pass_on_absence(self) -> None:
         """Settle the children of nodes whose every incoming gradient was absent."""
@@ -233,12 +203,13 @@ class Pass:
             for child, _ in children[self.empty.pop()]:
                 self._delivered(child)
 
-    def _run_region(self) -> bool:
+    def _next_region(self) -> Callable[[], None] | None:
+        """The next native call (or lone node) that can run now; None if none can."""
         graph = self.graph
         remaining = graph.remaining
         starts = [n for n in self.buffers if remaining[n] == 0 and n not in graph.boundary]
         if not starts:
-            return False
+            return None
         # Nodes whose every incoming edge is delivered once ``starts`` run.
         rem: dict[Any, int] = {}
         ready: list = []
@@ -267,18 +238,36 @@ class Pass:
         run_set = graph.ancestors_within(targets, in_ready)
         run = [n for n in ready if n in run_set]
         if not run:
-            return False
-        capture = self._split_off_conflicts(run, waiting)
-        if capture is None:
-            # Every node that could run now feeds both a node that still waits and
-            # one of that node's descendants: run one alone, outside the native engine.
-            needed = graph.ancestors_within(targets & graph.boundary, in_ready)
-            alone = [n for n in run if n in self.buffers and remaining[n] == 0 and n in needed]
-            if not alone:
-                return False  # they wait for the node that blocks them
-            self._run_alone(alone[0])
-            return True
-        run, capture = capture
+            return None
+        capture = self._recvs_first(run, targets, rem) or self._split_off_conflicts(run)
+        if capture is not None:
+            return functools.partial(self._run_native, *capture)
+        # Every node that could run now feeds both a node that still waits and
+        # one of that node's descendants: run one alone, outside the native engine.
+        needed = graph.ancestors_within(targets & graph.boundary, in_ready)
+        alone = [n for n in run if n in self.buffers and remaining[n] == 0 and n in needed]
+        if not alone:
+            return None  # they wait for the node that blocks them
+        return functools.partial(self._run_alone, alone[0])
+
+    def _recvs_first(self, run: list, targets: set, rem: dict) -> tuple[list, list] | None:
+        """(nodes, captures) of a native call that runs less than all of ``run`` and finishes
+        the recv functions among ``targets`` that ``run`` finishes, if one can: their gradients
+        then leave before the rest of ``run`` runs."""
+        recvs = [t for t in targets if t in self.recv_ids and rem[t] == 0]
+        if not recvs or len(recvs) == len(targets):
+            return None
+        first = self.graph.ancestors_within(recvs, set(run))
+        if len(first) == len(run):
+            return None
+        part = [n for n in run if n in first]
+        split = self._split_off_conflicts(part)
+        return split if split is not None and len(split[0]) == len(part) else None
+
+    def _run_native(self, run: list, capture: list) -> None:
+        """One native call: ``run``'s buffered gradients in, ``capture``'s gradients out."""
+        graph = self.graph
+        remaining = graph.remaining
         captured_nodes = {c for c, _ in capture}
         outputs, grad_outputs = [], []
         for node in run:
@@ -302,9 +291,8 @@ class Pass:
                     remaining[child] -= 1  # ran in this call
                 else:
                     self._delivered(child)
-        return True
 
-    def _split_off_conflicts(self, run: list, waiting: list) -> tuple[list, list] | None:
+    def _split_off_conflicts(self, run: list) -> tuple[list, list] | None:
         """(nodes to run, edges to capture) for one native call; None if no node can run.
 
         Invariant of a native call: no captured node is a descendant of another

@@ -21,7 +21,6 @@ send waits.
 from __future__ import annotations
 
 from ..rpc import _core
-from ..rpc._profiling import run_recorded
 from . import _engine
 from ._credit import ALL_CREDIT, split_credit
 from ._pass import Pass
@@ -118,12 +117,7 @@ def _resolve(p: Pass, dead: dict[int, list[int]], me: int) -> None:
     for worker, msg_ids in sorted(dead.items()):
         items = [(msg_id, None) for msg_id in msg_ids]
         if worker == me:
-            try:
-                messages = run_recorded(_engine.LOCAL_WORK_SPAN, p.deliver_sends, items)
-            except Exception as e:
-                p.return_credit(share, None, _engine._wrap_error(me, e))
-            else:
-                _engine._ship(p, messages, share)
+            _engine.deliver_and_ship(p, share, p.deliver_sends, items)
             continue
         try:
             _engine.send_gradients(agent, worker, p, items, share, None)
