@@ -4,24 +4,39 @@ import argparse
 import json
 import os
 import re
+from collections import Counter
 
 from _harness import RESULTS, mpi_name, plot, table
 
-ORDER = ["rpc_latency", "bandwidth", "design_note", "scaling", "param_server", "smart"]
+ORDER = ["rpc_latency", "bandwidth", "design_note", "overlap", "scaling", "param_server", "smart"]
 README = RESULTS.parents[1] / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
 def load() -> tuple[list[dict], list[dict]]:
-    """The result documents, and their rows (with ``figure`` and ``mpi``) in figure order."""
+    """The result documents, and their rows (with ``figure`` and ``mpi``, the column) in
+    figure order."""
     docs = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
     rows = []
     for d in docs:
-        mpi = mpi_name(d["env"]["mpi_library"])
-        mpi += f", {d['env']['nodes']} nodes" if d["env"]["nodes"] > 1 else ""
-        rows += [r | {"figure": d["name"], "mpi": mpi, "i": i} for i, r in enumerate(d["rows"])]
+        rows += [
+            r | {"figure": d["name"], "mpi": column(d, docs), "i": i}
+            for i, r in enumerate(d["rows"])
+        ]
     rows.sort(key=lambda r: (ORDER.index(r["figure"]) if r["figure"] in ORDER else 99, r["i"]))
     return docs, rows
+
+
+def usual_cpus(docs: list[dict]) -> int:
+    return Counter(d["env"]["cpus"] for d in docs).most_common(1)[0][0]
+
+
+def column(doc: dict, docs: list[dict]) -> str:
+    """The table column of a result: its MPI, and its nodes and CPUs where unusual."""
+    env = doc["env"]
+    mpi = mpi_name(env["mpi_library"])
+    mpi += f", {env['nodes']} nodes" if env["nodes"] > 1 else ""
+    return mpi + (f", {env['cpus']} CPUs" if env["cpus"] != usual_cpus(docs) else "")
 
 
 def label(r: dict) -> str:
@@ -29,11 +44,14 @@ def label(r: dict) -> str:
 
 
 def machine(docs: list[dict]) -> str:
-    envs = [d["env"] for d in docs]
+    cpus = usual_cpus(docs)
+    envs = [d["env"] for d in docs if d["env"]["cpus"] == cpus]
     mpis = " and ".join(sorted({mpi_name(e["mpi_library"]) for e in envs}))
-    quick = " (--quick runs)" if any(e["quick"] for e in envs) else ""
+    quick = " (--quick runs)" if any(d["env"]["quick"] for d in docs) else ""
     e = envs[0]
-    return f"{e['host']}, {e['cpus']} CPUs, torch {e['torch']}, {mpis}, {e['date'][:10]}{quick}"
+    text = f"{e['host']}, {cpus} CPUs, torch {e['torch']}, {mpis}, {e['date'][:10]}{quick}"
+    others = {column(d, docs): d["env"] for d in docs if d["env"]["cpus"] != cpus}
+    return text + "".join(f"; {c}: torch {o['torch']}" for c, o in others.items())
 
 
 def markdown(rows: list[dict], docs: list[dict], image: str) -> str:
