@@ -17,12 +17,10 @@ def load() -> tuple[list[dict], list[dict]]:
     """The result documents, and their rows (with ``figure`` and ``mpi``, the column) in
     figure order."""
     docs = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
-    rows = []
+    rows, cpus = [], usual_cpus(docs)
     for d in docs:
-        rows += [
-            r | {"figure": d["name"], "mpi": column(d, docs), "i": i}
-            for i, r in enumerate(d["rows"])
-        ]
+        mpi = column(d["env"], cpus)
+        rows += [r | {"figure": d["name"], "mpi": mpi, "i": i} for i, r in enumerate(d["rows"])]
     rows.sort(key=lambda r: (ORDER.index(r["figure"]) if r["figure"] in ORDER else 99, r["i"]))
     return docs, rows
 
@@ -31,12 +29,12 @@ def usual_cpus(docs: list[dict]) -> int:
     return Counter(d["env"]["cpus"] for d in docs).most_common(1)[0][0]
 
 
-def column(doc: dict, docs: list[dict]) -> str:
-    """The table column of a result: its MPI, and its nodes and CPUs where unusual."""
-    env = doc["env"]
+def column(env: dict, cpus: int) -> str:
+    """The table column of a result's ``env``: its MPI, and its nodes and CPUs where they
+    differ from the usual (one node, ``cpus``)."""
     mpi = mpi_name(env["mpi_library"])
     mpi += f", {env['nodes']} nodes" if env["nodes"] > 1 else ""
-    return mpi + (f", {env['cpus']} CPUs" if env["cpus"] != usual_cpus(docs) else "")
+    return mpi + (f", {env['cpus']} CPUs" if env["cpus"] != cpus else "")
 
 
 def label(r: dict) -> str:
@@ -50,7 +48,7 @@ def machine(docs: list[dict]) -> str:
     quick = " (--quick runs)" if any(d["env"]["quick"] for d in docs) else ""
     e = envs[0]
     text = f"{e['host']}, {cpus} CPUs, torch {e['torch']}, {mpis}, {e['date'][:10]}{quick}"
-    others = {column(d, docs): d["env"] for d in docs if d["env"]["cpus"] != cpus}
+    others = {column(d["env"], cpus): d["env"] for d in docs if d["env"]["cpus"] != cpus}
     return text + "".join(f"; {c}: torch {o['torch']}" for c, o in others.items())
 
 
