@@ -1,14 +1,15 @@
-"""The private torch, Lightning and Python APIs the package uses, and the versions it is tested on.
+"""The private torch, Lightning and Python APIs the package uses, and the releases it supports.
 
 Every private name the package relies on is resolved here and nowhere else, each with a comment
-naming the public API it waits for (or that none exists). Where one of them changes in a new
-release, this module is the one place to adapt. torch's names are resolved at import, Lightning's
-are checked by :func:`check_lightning_hooks`; a missing one raises ``ImportError`` naming it.
+naming the public API it waits for (or that none exists) and the releases where it differs.
+Where one of them changes in a new release, this module is the one place to adapt. torch's
+names are resolved at import, Lightning's are checked by :func:`check_lightning_hooks`; a
+missing one raises ``ImportError`` naming it.
 
-Importing the package checks the installed torch against :data:`TESTED_TORCH`, and importing
-``lightning_distgrad.lightning`` checks Lightning against :data:`TESTED_LIGHTNING`: an untested
-version raises ``ImportError``, unless ``LIGHTNING_DISTGRAD_ALLOW_UNTESTED=1`` is set, which
-turns the error into one warning per package and process.
+Importing the package checks the installed torch against :data:`SUPPORTED_TORCH`, and importing
+``lightning_distgrad.lightning`` checks Lightning against :data:`SUPPORTED_LIGHTNING`: a release
+below the floor raises ``ImportError`` saying what it lacks; one newer than the newest tested
+warns once per package and process, and runs.
 
 Lightning's names are imported on first use (``from lightning_distgrad._compat import
 Launcher``), never at package import: RPC-only programs do not load Lightning.
@@ -27,20 +28,25 @@ from typing import Any
 import torch
 
 __all__ = [
-    "ALLOW_UNTESTED_ENV",
-    "TESTED_LIGHTNING",
-    "TESTED_TORCH",
+    "SUPPORTED_LIGHTNING",
+    "SUPPORTED_TORCH",
+    "TORCH_RELEASE",
     "check_lightning_version",
     "check_torch_version",
     "check_lightning_hooks",
     "check_version",
 ]
 
-#: Set to ``1`` to import the package on a torch or Lightning version it is not tested with.
-ALLOW_UNTESTED_ENV = "LIGHTNING_DISTGRAD_ALLOW_UNTESTED"
-#: ``(lowest, first untested)`` ``(major, minor)`` releases, for each package.
-TESTED_TORCH = ((2, 13), (2, 14))
-TESTED_LIGHTNING = ((2, 4), (2, 7))
+#: ``(floor, newest tested)`` ``(major, minor)`` releases of torch; CI tests both ends.
+SUPPORTED_TORCH = ((2, 5), (2, 14))
+#: The same for Lightning.
+SUPPORTED_LIGHTNING = ((2, 4), (2, 6))
+#: What each package's floor is for: the error below it names this.
+_FLOOR_REASON = {
+    "torch": "its distributed backward pass restarts torch's autograd engine from GradientEdge"
+    " roots (torch.autograd.graph.GradientEdge), which the engine accepts from torch 2.5 on",
+    "lightning": "its strategy overrides Strategy hooks that Lightning has had since 2.4",
+}
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -51,54 +57,46 @@ def _release(version: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
-def _describe(tested: tuple[tuple[int, int], tuple[int, int]]) -> str:
-    (lo_major, lo_minor), (hi_major, hi_minor) = tested
-    last = (hi_major, hi_minor - 1) if hi_minor > 0 else None
-    if last == (lo_major, lo_minor):
-        return f"{lo_major}.{lo_minor}.x"
-    upper = f"{last[0]}.{last[1]}.x" if last else f"below {hi_major}.{hi_minor}"
-    return f"{lo_major}.{lo_minor}.x to {upper}"
-
-
-def _pip_spec(package: str, tested: tuple[tuple[int, int], tuple[int, int]]) -> str:
-    (lo_major, lo_minor), (hi_major, hi_minor) = tested
-    return f"pip install '{package}>={lo_major}.{lo_minor},<{hi_major}.{hi_minor}'"
+def _describe(supported: tuple[tuple[int, int], tuple[int, int]]) -> str:
+    (lo_major, lo_minor), (hi_major, hi_minor) = supported
+    return f"{lo_major}.{lo_minor} to {hi_major}.{hi_minor}"
 
 
 def check_version(
-    package: str, found: str, tested: tuple[tuple[int, int], tuple[int, int]]
+    package: str, found: str, supported: tuple[tuple[int, int], tuple[int, int]]
 ) -> None:
-    """Raise ``ImportError`` unless ``found`` (``package``'s version) lies in ``tested``.
+    """Check ``found``, the installed version of ``package``, against ``supported``.
 
-    ``tested`` is ``(lowest, first untested)`` as ``(major, minor)``. With
-    ``LIGHTNING_DISTGRAD_ALLOW_UNTESTED=1`` an untested version warns instead, once per
-    package and process.
+    ``supported`` is ``(floor, newest tested)`` as ``(major, minor)``. Below the floor this
+    raises ``ImportError`` naming what the package needs; above the newest tested release (or
+    for a version that names no release) it warns once per package and process; in between
+    it returns silently.
 
     Example::
 
-        >>> check_version("torch", "2.13.1+cpu", ((2, 13), (2, 14)))  # tested: returns
-        >>> check_version("torch", "2.14.0", ((2, 13), (2, 14)))  # doctest: +ELLIPSIS
+        >>> check_version("torch", "2.13.1+cpu", ((2, 5), (2, 14)))  # supported: returns
+        >>> check_version("torch", "2.4.1", ((2, 5), (2, 14)))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        ImportError: lightning_distgrad is tested with torch 2.13.x, but torch 2.14.0 is ...
+        ImportError: lightning_distgrad needs torch 2.5 or newer (supported: 2.5 to 2.14), ...
     """
     release = _release(found)
-    if release is not None and tested[0] <= release < tested[1]:
+    floor, newest = supported
+    if release is not None and release < floor:
+        raise ImportError(
+            f"lightning_distgrad needs {package} {floor[0]}.{floor[1]} or newer (supported:"
+            f" {_describe(supported)}), but {package} {found} is installed:"
+            f" {_FLOOR_REASON[package]}. HINT: pip install '{package}>={floor[0]}.{floor[1]}'"
+        )
+    if release is not None and release <= newest:
         return
-    message = (
-        f"lightning_distgrad is tested with {package} {_describe(tested)}, but {package} {found}"
-        f" is installed; it relies on private {package} APIs that may differ there. HINT:"
-        f" install a tested version ({_pip_spec(package, tested)}), or set"
-        f" {ALLOW_UNTESTED_ENV}=1 to go on at your own risk."
-    )
-    if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
-        raise ImportError(message)
     with _warned_lock:
         if package in _warned:
             return
         _warned.add(package)
     warnings.warn(
-        f"lightning_distgrad runs on untested {package} {found} ({ALLOW_UNTESTED_ENV}=1; tested:"
-        f" {_describe(tested)}).",
+        f"lightning_distgrad is tested with {package} {_describe(supported)}, not with {package}"
+        f" {found}. It relies on a few private APIs (lightning_distgrad._compat): one that is"
+        " gone raises ImportError naming it, and a changed one may misbehave.",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -106,17 +104,20 @@ def check_version(
 
 def check_torch_version() -> None:
     """:func:`check_version` for the installed torch (when the package is imported)."""
-    check_version("torch", torch.__version__, TESTED_TORCH)
+    check_version("torch", torch.__version__, SUPPORTED_TORCH)
 
 
 def check_lightning_version() -> None:
     """:func:`check_version` for the installed Lightning (``lightning_distgrad.lightning``)."""
     import lightning
 
-    check_version("lightning", lightning.__version__, TESTED_LIGHTNING)
+    check_version("lightning", lightning.__version__, SUPPORTED_LIGHTNING)
 
 
 check_torch_version()
+#: The installed torch's ``(major, minor)`` release: the one input of every choice below
+#: between spellings of a private name.
+TORCH_RELEASE: tuple[int, int] = _release(torch.__version__) or SUPPORTED_TORCH[1]
 
 
 def _private(module: str, name: str) -> Any:
@@ -137,8 +138,8 @@ def _private(module: str, name: str) -> Any:
     except (ImportError, AttributeError):
         raise ImportError(
             f"lightning_distgrad needs the private {module}.{name}, which the installed"
-            f" {parts[0]} lacks. HINT: install a {parts[0]} version that lightning_distgrad is"
-            " tested with (see TESTED_TORCH and TESTED_LIGHTNING in lightning_distgrad._compat)."
+            f" {parts[0]} lacks. HINT: install a {parts[0]} release that lightning_distgrad"
+            " supports (SUPPORTED_TORCH and SUPPORTED_LIGHTNING in lightning_distgrad._compat)."
         ) from None
 
 
@@ -213,6 +214,20 @@ def wrap_kineto_results_parser(add_events: Callable[[Any, Any, list], list]) -> 
             return events
 
         profile._parse_kineto_results = parse
+
+
+def quiet_kineto_without_gpu() -> None:
+    """Keep Kineto's log lines out of the output of a CUDA build of torch on a node without a
+    GPU (a CPU partition's or login node's usual case); call before starting a profiler.
+
+    There, Kineto writes lines to stderr that a user can do nothing about:
+    ``gpuGetDeviceCount failed with code 35`` when a trace is written (torch 2.5 to 2.14) and
+    ``USDT ... profiler_start`` / ``profiler_stop`` (torch 2.14). Kineto reads
+    ``KINETO_LOG_LEVEL`` once, when the process's first profiler starts; 6 is above its highest
+    severity. A level the user set is kept, and CPU builds and GPU nodes are left alone.
+    """
+    if torch.version.cuda is not None and not torch.cuda.is_available():
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 def set_unwrap_func(future: torch.futures.Future, unwrap: Callable[[Any], Any]) -> None:
@@ -313,5 +328,5 @@ def check_lightning_hooks() -> None:
             raise ImportError(
                 f"lightning_distgrad overrides or calls {module}.{cls}.{name}, which the"
                 " installed Lightning lacks. HINT: install a Lightning version that"
-                f" lightning_distgrad is tested with ({_pip_spec('lightning', TESTED_LIGHTNING)})."
+                f" lightning_distgrad is tested with ({_describe(SUPPORTED_LIGHTNING)})."
             )

@@ -1,4 +1,4 @@
-"""The tested versions and the private torch/Lightning APIs of ``lightning_distgrad._compat``.
+"""The supported releases and the private torch/Lightning APIs of ``lightning_distgrad._compat``.
 
 Serial tests: version checks with monkeypatched version strings (and once in a fresh
 interpreter, where the check runs at import), and each private API against plain torch.
@@ -19,63 +19,67 @@ from _job_runner import clean_env
 
 from lightning_distgrad import _compat
 
-TESTED = ((2, 13), (2, 14))
+SUPPORTED = ((2, 5), (2, 14))
 
 
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
-    """Each test starts with no untested version warned about and the variable unset."""
+    """Each test starts with no newer release warned about."""
     monkeypatch.setattr(_compat, "_warned", set())
-    monkeypatch.delenv(_compat.ALLOW_UNTESTED_ENV, raising=False)
 
 
-@pytest.mark.parametrize("found", ["2.13.0", "2.13.0+cpu", "2.13.2", "2.13.0a0+git1234"])
-def test_a_tested_version_passes_silently(found):
+@pytest.mark.parametrize(
+    "found", ["2.5.0", "2.5.1+cu124", "2.11.0", "2.13.0+cpu", "2.14.1", "2.13.0a0+git1234"]
+)
+def test_a_supported_release_passes_silently(found):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _compat.check_version("torch", found, TESTED)
+        _compat.check_version("torch", found, SUPPORTED)
 
 
-@pytest.mark.parametrize("found", ["2.14.0", "2.12.1+cu121", "3.0.0", "nightly"])
-def test_an_untested_version_raises_saying_what_to_do(found):
+@pytest.mark.parametrize("found", ["2.4.1", "2.0.0+cu118", "1.13.1"])
+def test_a_release_below_the_floor_raises_naming_the_missing_engine_feature(found):
     with pytest.raises(ImportError) as info:
-        _compat.check_version("torch", found, TESTED)
+        _compat.check_version("torch", found, SUPPORTED)
     text = str(info.value)
-    assert f"torch {found} is installed" in text
-    assert "tested with torch 2.13.x" in text
-    assert "pip install 'torch>=2.13,<2.14'" in text
-    assert f"{_compat.ALLOW_UNTESTED_ENV}=1" in text
+    assert f"needs torch 2.5 or newer (supported: 2.5 to 2.14), but torch {found} is" in text
+    assert "GradientEdge roots" in text
+    assert "pip install 'torch>=2.5'" in text
 
 
-def test_a_range_of_releases_is_described_by_its_first_and_last():
-    with pytest.raises(ImportError, match=r"tested with lightning 2\.4\.x to 2\.6\.x"):
-        _compat.check_version("lightning", "2.7.0", ((2, 4), (2, 7)))
-
-
-def test_allow_untested_warns_once_per_package(monkeypatch):
-    monkeypatch.setenv(_compat.ALLOW_UNTESTED_ENV, "1")
+@pytest.mark.parametrize("found", ["2.15.0", "2.16.0.dev20261101+cpu", "3.0.0", "nightly"])
+def test_a_newer_release_warns_once_and_runs(found):
     with pytest.warns(RuntimeWarning) as caught:
         for _ in range(3):
-            _compat.check_version("torch", "2.14.0", TESTED)
-        _compat.check_version("lightning", "2.9.0", ((2, 4), (2, 7)))
-    assert [str(w.message).split(" (")[0] for w in caught] == [
-        "lightning_distgrad runs on untested torch 2.14.0",
-        "lightning_distgrad runs on untested lightning 2.9.0",
+            _compat.check_version("torch", found, SUPPORTED)
+    assert [str(w.message).split(". ")[0] for w in caught] == [
+        f"lightning_distgrad is tested with torch 2.5 to 2.14, not with torch {found}"
     ]
 
 
-def test_allow_untested_needs_the_value_one(monkeypatch):
-    monkeypatch.setenv(_compat.ALLOW_UNTESTED_ENV, "yes")
-    with pytest.raises(ImportError):
-        _compat.check_version("torch", "2.14.0", TESTED)
+def test_each_package_warns_once():
+    with pytest.warns(RuntimeWarning) as caught:
+        _compat.check_version("torch", "2.15.0", SUPPORTED)
+        _compat.check_version("lightning", "2.9.0", ((2, 4), (2, 6)))
+        _compat.check_version("lightning", "2.9.0", ((2, 4), (2, 6)))
+    assert len(caught) == 2
+    assert "lightning 2.4 to 2.6, not with lightning 2.9.0" in str(caught[1].message)
 
 
-def test_installed_versions_are_checked(monkeypatch):
-    _compat.check_torch_version()  # the installed ones are tested
-    _compat.check_lightning_version()
+def test_a_lightning_below_the_floor_names_what_it_lacks():
+    with pytest.raises(ImportError, match=r"Strategy hooks that Lightning has had since 2\.4"):
+        _compat.check_version("lightning", "2.3.3", ((2, 4), (2, 6)))
+
+
+def test_the_installed_releases_are_supported(monkeypatch):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # within the tested range: no warning either
+        _compat.check_torch_version()
+        _compat.check_lightning_version()
     _compat.check_lightning_hooks()
-    monkeypatch.setattr(torch, "__version__", "2.14.0")
-    with pytest.raises(ImportError, match=r"torch 2\.14\.0 is installed"):
+    assert _compat.SUPPORTED_TORCH[0] <= _compat.TORCH_RELEASE <= _compat.SUPPORTED_TORCH[1]
+    monkeypatch.setattr(torch, "__version__", "2.4.1")
+    with pytest.raises(ImportError, match=r"torch 2\.4\.1 is installed"):
         _compat.check_torch_version()
     monkeypatch.setattr(lightning, "__version__", "2.3.3")
     with pytest.raises(ImportError, match=r"lightning 2\.3\.3 is installed"):
@@ -97,28 +101,23 @@ def test_a_missing_private_name_is_named():
 def test_the_checks_run_at_import():
     script = textwrap.dedent(
         """
-        import json, os, sys, warnings
+        import json, sys, warnings
         import lightning, torch
 
-        torch.__version__, lightning.__version__ = "2.14.0", "2.7.0"
+        real_torch = torch.__version__
+        torch.__version__ = "2.4.1"
         try:
             import lightning_distgrad
         except ImportError as e:
             print("REFUSED:", e)
-        os.environ["LIGHTNING_DISTGRAD_ALLOW_UNTESTED"] = "1"
+        for name in [m for m in sys.modules if m.startswith("lightning_distgrad")]:
+            del sys.modules[name]
+        torch.__version__, lightning.__version__ = "2.15.0", "2.7.0"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             import lightning_distgrad  # registers the strategy: Lightning is imported
             from lightning_distgrad import DistAutogradStrategy
         print("WARNINGS:", json.dumps([str(w.message) for w in caught]))
-        del os.environ["LIGHTNING_DISTGRAD_ALLOW_UNTESTED"]
-        for name in [m for m in sys.modules if m.startswith("lightning_distgrad.lightning")]:
-            del sys.modules[name]
-        del lightning_distgrad.lightning  # imported afresh by the next line
-        try:
-            from lightning_distgrad import DistAutogradStrategy
-        except ImportError as e:
-            print("LIGHTNING REFUSED:", e)
         """
     )
     done = subprocess.run(
@@ -126,12 +125,11 @@ def test_the_checks_run_at_import():
     )
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
-    assert "REFUSED: lightning_distgrad is tested with torch 2.13.x" in out, out
+    assert "REFUSED: lightning_distgrad needs torch 2.5 or newer" in out, out
     line = next(ln for ln in out.splitlines() if ln.startswith("WARNINGS: "))
     warned = json.loads(line.split(" ", 1)[1])
-    assert sum("untested torch 2.14.0" in w for w in warned) == 1, warned
-    assert sum("untested lightning 2.7.0" in w for w in warned) == 1, warned
-    assert "LIGHTNING REFUSED: lightning_distgrad is tested with lightning 2.4.x" in out, out
+    assert sum("not with torch 2.15.0" in w for w in warned) == 1, warned
+    assert sum("not with lightning 2.7.0" in w for w in warned) == 1, warned
 
 
 # ---------------------------------------------------------------------------
