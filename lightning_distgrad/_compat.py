@@ -17,12 +17,13 @@ Launcher``), never at package import: RPC-only programs do not load Lightning.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,7 +31,6 @@ import torch
 __all__ = [
     "SUPPORTED_LIGHTNING",
     "SUPPORTED_TORCH",
-    "TORCH_RELEASE",
     "check_lightning_version",
     "check_torch_version",
     "check_lightning_hooks",
@@ -115,9 +115,6 @@ def check_lightning_version() -> None:
 
 
 check_torch_version()
-#: The installed torch's ``(major, minor)`` release: the one input of every choice below
-#: between spellings of a private name.
-TORCH_RELEASE: tuple[int, int] = _release(torch.__version__) or SUPPORTED_TORCH[1]
 
 
 def _private(module: str, name: str) -> Any:
@@ -144,9 +141,13 @@ def _private(module: str, name: str) -> Any:
 
 
 # --- torch ---------------------------------------------------------------------------------------
+# Each name below is spelled and behaves the same from torch 2.5 to 2.14, unless its comment
+# names the releases where it differs; tests/test_compat.py checks each one against plain torch
+# on the floor, the newest and the releases between that CI runs.
 
 # Waits for a public torch.autograd.grad without its Python-side argument checks (it runs
-# them on every region of a distributed pass).
+# them on every region of a distributed pass). Below torch 2.5 it refuses GradientEdge roots,
+# which is the floor of SUPPORTED_TORCH.
 engine_run_backward: Callable[..., tuple] = _private("torch.autograd.graph", "_engine_run_backward")
 # No public alternative as of torch 2.13: a C++ node whose backward raises a given message
 # (the send and recv nodes of distributed autograd).
@@ -196,7 +197,8 @@ def wrap_kineto_results_parser(add_events: Callable[[Any, Any, list], list]) -> 
     Wraps the private ``torch.autograd.profiler.profile._parse_kineto_results``, behind
     ``events()``, ``key_averages()`` and ``table()``. It waits for a public way to add events
     to a Kineto profile: torch's own RPC profiling adds remote events to the legacy profiler
-    only, in C++.
+    only, in C++. Its arguments differ by release (``(result)`` in torch 2.5, ``(result,
+    timeout_s=None)`` in 2.11 to 2.14): the wrapper passes whatever it is given.
     """
     profile = torch.autograd.profiler.profile
     with _parser_lock:
@@ -228,6 +230,22 @@ def quiet_kineto_without_gpu() -> None:
     """
     if torch.version.cuda is not None and not torch.cuda.is_available():
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
+@contextlib.contextmanager
+def quiet_first_profiler_cycle() -> Iterator[None]:
+    """Inside, starting a ``torch.profiler.profile`` does not warn "Profiler clears events at
+    the end of each cycle".
+
+    torch 2.10 and 2.11 warn so when any such profiler starts its first cycle, where nothing
+    was cleared; 2.13 and 2.14 only when a schedule starts a second cycle without
+    ``acc_events``; 2.5 never. The package's own profilers run one cycle.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"Warning: Profiler clears events at the end of each cycle"
+        )
+        yield
 
 
 def set_unwrap_func(future: torch.futures.Future, unwrap: Callable[[Any], Any]) -> None:
@@ -290,8 +308,9 @@ _LIGHTNING_HOOKS = (
 
 
 def quiet_lightning_pytree() -> None:
-    """Ignore the FutureWarning that torch 2.13 raises for every ``LeafSpec`` that Lightning's
-    ``_pytree`` helper builds (once per fit): it concerns Lightning's code, not the user's.
+    """Ignore the FutureWarning that torch 2.11 to 2.14 raise for every ``LeafSpec`` that
+    Lightning's ``_pytree`` helper builds (once per fit): it concerns Lightning's code, not the
+    user's. torch 2.5 has no such warning, and the filter then matches nothing.
 
     Waits for a Lightning release whose ``_pytree`` uses ``TreeSpec.is_leaf()``.
     """

@@ -7,6 +7,7 @@ interpreter, where the check runs at import), and each private API against plain
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -77,7 +78,8 @@ def test_the_installed_releases_are_supported(monkeypatch):
         _compat.check_torch_version()
         _compat.check_lightning_version()
     _compat.check_lightning_hooks()
-    assert _compat.SUPPORTED_TORCH[0] <= _compat.TORCH_RELEASE <= _compat.SUPPORTED_TORCH[1]
+    installed = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    assert _compat.SUPPORTED_TORCH[0] <= installed <= _compat.SUPPORTED_TORCH[1]  # CI's releases
     monkeypatch.setattr(torch, "__version__", "2.4.1")
     with pytest.raises(ImportError, match=r"torch 2\.4\.1 is installed"):
         _compat.check_torch_version()
@@ -239,3 +241,27 @@ def test_module_children_is_the_live_registry():
     assert list(children) == ["0", "1"]
     del children["1"]
     assert len(seq) == 1
+
+
+def test_the_first_profiler_cycle_starts_without_the_cycle_warning():
+    filters = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _compat.quiet_first_profiler_cycle():
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
+        torch.add(torch.ones(2), 1)
+        prof.__exit__(None, None, None)
+    assert not [w for w in caught if "clears events" in str(w.message)], caught
+    assert warnings.filters == filters  # the user's filters are as they were
+    assert "aten::add" in {e.key for e in prof.key_averages()}
+
+
+def test_kineto_is_quieted_only_for_a_cuda_build_without_a_gpu(monkeypatch):
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    _compat.quiet_kineto_without_gpu()
+    cuda_build_without_gpu = torch.version.cuda is not None and not torch.cuda.is_available()
+    assert os.environ.get("KINETO_LOG_LEVEL") == ("6" if cuda_build_without_gpu else None)
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "2")
+    _compat.quiet_kineto_without_gpu()
+    assert os.environ["KINETO_LOG_LEVEL"] == "2"  # the user's choice stays

@@ -17,7 +17,7 @@ import time
 import torch
 from mpi4py import MPI
 
-from .._compat import quiet_kineto_without_gpu
+from .._compat import quiet_first_profiler_cycle, quiet_kineto_without_gpu
 from ..rpc import _core
 from ..rpc._profiling import MessageLog, active_log, collect_remote_events, set_log
 from ._timeline import clock_offsets, merge_traces
@@ -72,7 +72,8 @@ class Recording:
             if self.torch_profiler is not None:
                 quiet_kineto_without_gpu()
                 self.profiler = torch.profiler.profile(**self.torch_profiler)
-                self.profiler.__enter__()
+                with quiet_first_profiler_cycle():
+                    self.profiler.__enter__()
             wait_for_everyone(self._work)  # every rank records before any goes on
         except BaseException:
             self._end_recording()
