@@ -199,3 +199,36 @@ def test_the_server_side_profile_records_every_request_its_worker_serves(rpc_wor
     assert not _server_profiler.ranges
     with pytest.raises(RuntimeError, match="no server-side profiling range is open"):
         rpc._disable_server_process_global_profiler()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_range_left_open_ends_with_its_rpc_session(rpc_stopped):
+    rpc.init_rpc()
+    peer = rpc_stopped.peer()
+    left_open = rpc.remote(peer, rpc._server_process_global_profile)
+    left_open.rpc_sync().__enter__()  # never exited, as after a failed test
+    rpc_stopped.barrier()
+    rpc.shutdown()
+    assert len(_server_profiler.ranges) == 1
+    rpc.init_rpc()
+    # The next session serves its requests unprofiled, and its ranges start afresh.
+    assert not _server_profiler.ranges
+    profile = rpc.remote(peer, rpc._server_process_global_profile)
+    profile.rpc_sync().__enter__()
+    rpc.rpc_sync(peer, torch.add, (torch.ones(1), 1))
+    profile.rpc_sync().__exit__(None, None, None)
+    assert top_level_names(rpc.rpc_sync(peer, events_of, (profile,))) == ["aten::add"]
+    rpc_stopped.barrier()
+    rpc.shutdown()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_callers_profiler_gets_its_events_while_a_server_side_range_is_open(rpc_world):
+    me, peer = rpc_world.name, rpc_world.peer()
+    profile = rpc.remote(peer, rpc._server_process_global_profile)
+    profile.rpc_sync().__enter__()
+    with legacy_profile() as prof:
+        rpc.rpc_async(peer, ops).wait()
+    profile.rpc_sync().__exit__(None, None, None)
+    remote = {e.name for e in prof.function_events if e.is_remote}
+    assert {f"rpc_async#ops({me} -> {peer}){REMOTE_OP}{op}" for op in OPS} <= remote

@@ -75,6 +75,14 @@ def _disable_server_process_global_profiler() -> list[list]:
     return closed.take()
 
 
+def forget_open_ranges() -> None:
+    """Drop the ranges an earlier RPC session left open (at ``init_rpc``): their profiles
+    were never closed, and their requests are gone with that session."""
+    global ranges
+    with _ranges_lock:
+        ranges = ()
+
+
 def serving_profiled() -> bool:
     """Whether this thread serves a request that the open ranges record."""
     return getattr(_local, "serving", False)

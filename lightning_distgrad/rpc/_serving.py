@@ -128,7 +128,8 @@ class Serving:
         records it (see :meth:`_call_profiled`)."""
         call = self._call_profiled if profiled else self._call
         try:
-            if _server_profiler.ranges:
+            # A caller's profiler takes precedence: a thread records under one at a time.
+            if _server_profiler.ranges and not profiled:
                 ctx_id, func, result = _server_profiler.run_profiled(call, source, frame, tensors)
             else:
                 ctx_id, func, result = call(source, frame, tensors)

@@ -11,7 +11,7 @@ import torch
 from mpi4py import MPI
 
 from .._compat import register_atexit, set_profiler_node_id
-from . import _core, _hooks, _rref_context, _shutdown, _wire
+from . import _core, _hooks, _rref_context, _server_profiler, _shutdown, _wire
 from . import rref as _rref
 from ._abort import abort_mpi_job
 from ._agent import Agent, WorkerInfo
@@ -116,6 +116,7 @@ def init_rpc(
     # made under a legacy profiler list their remote events in it.
     set_profiler_node_id(my_rank)
     watch_profilers()
+    _server_profiler.forget_open_ranges()
     context = _rref_context.init_context(my_rank)
     limits = _wire.FrameLimits(options.max_message_bytes, _wire.local_devices())
     agent = Agent(
