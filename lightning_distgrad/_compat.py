@@ -215,6 +215,39 @@ def wrap_kineto_results_parser(add_events: Callable[[Any, Any, list], list]) -> 
         profile._parse_kineto_results = parse
 
 
+def set_unwrap_func(future: torch.futures.Future, unwrap: Callable[[Any], Any]) -> None:
+    """Make every ``future.wait()`` call ``unwrap(result)`` first; ``unwrap`` may raise.
+
+    No public alternative as of torch 2.13: ``Future.set_exception`` raises the stored
+    exception object itself on every ``wait()``.
+    """
+    _set_unwrap_func(future, unwrap)
+
+
+def tensor_hooks(tensor: torch.Tensor) -> dict | None:
+    """The hooks that ``tensor.register_hook`` added (a live dict), or None.
+
+    No public alternative as of torch 2.13: hooks can be added and removed by handle only.
+    """
+    return getattr(tensor, "_backward_hooks", None)
+
+
+def num_node_inputs(node: Any) -> int:
+    """How many gradients an autograd node takes (one per output of its forward).
+
+    No public alternative as of torch 2.13.
+    """
+    return len(node._input_metadata)
+
+
+def module_children(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``module``'s registered child modules by attribute name (the live dict).
+
+    Public alternative: ``named_children()``, which yields a module held under two names once.
+    """
+    return module._modules
+
+
 # No public alternative as of torch 2.13 (torch's RPC agent calls it at init_rpc): the
 # node_id that the legacy profiler gives the events it records in this process.
 set_profiler_node_id: Callable[[int], None] = _private(
@@ -289,39 +322,6 @@ def watch_torch_profilers(
             return events
 
         _legacy_profiler._parse_legacy_records = parse
-
-
-def set_unwrap_func(future: torch.futures.Future, unwrap: Callable[[Any], Any]) -> None:
-    """Make every ``future.wait()`` call ``unwrap(result)`` first; ``unwrap`` may raise.
-
-    No public alternative as of torch 2.13: ``Future.set_exception`` raises the stored
-    exception object itself on every ``wait()``.
-    """
-    _set_unwrap_func(future, unwrap)
-
-
-def tensor_hooks(tensor: torch.Tensor) -> dict | None:
-    """The hooks that ``tensor.register_hook`` added (a live dict), or None.
-
-    No public alternative as of torch 2.13: hooks can be added and removed by handle only.
-    """
-    return getattr(tensor, "_backward_hooks", None)
-
-
-def num_node_inputs(node: Any) -> int:
-    """How many gradients an autograd node takes (one per output of its forward).
-
-    No public alternative as of torch 2.13.
-    """
-    return len(node._input_metadata)
-
-
-def module_children(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """``module``'s registered child modules by attribute name (the live dict).
-
-    Public alternative: ``named_children()``, which yields a module held under two names once.
-    """
-    return module._modules
 
 
 # --- Python --------------------------------------------------------------------------------------
