@@ -276,6 +276,20 @@ def parse_legacy_records(records: list) -> list:
     return _parse_legacy_records(records)
 
 
+def legacy_profile_start_ns(records: list) -> int | None:
+    """When the legacy profile of ``records`` started (its ``__start_profile`` mark), in ns
+    of the wall clock (``time.time_ns()``); None if the records hold no such mark.
+
+    No public alternative as of torch 2.13: legacy records count from that mark, and
+    ``ProfilerEvent.start_us()`` gives its wall-clock time in us.
+    """
+    for thread in records:
+        for record in thread:
+            if record.name() == "__start_profile":
+                return int(record.start_us() * 1000)
+    return None
+
+
 _watchers: list[tuple[Callable, Callable]] = []
 
 

@@ -26,6 +26,7 @@ import torch
 
 from .._compat import (
     kineto_records_this_thread,
+    legacy_profile_start_ns,
     profiler_enabled,
     watch_torch_profilers,
     wrap_kineto_results_parser,
@@ -295,9 +296,8 @@ def _add_legacy_remote_events(records: list, events: list) -> list:
     calls, _local.legacy = _local.legacy, None
     if calls is None:
         return events
-    start = next((r for thread in records for r in thread if r.name() == "__start_profile"), None)
-    # Legacy events count from their profile's start mark, in us of the wall clock.
-    remote = calls.take(int(start.start_us() * 1000)) if start is not None else []
+    start_ns = legacy_profile_start_ns(records)  # legacy events count from there, in us
+    remote = calls.take(start_ns) if start_ns is not None else []
     if not remote:
         return events
     return sorted(events + remote, key=lambda e: [e.time_range.start, -e.time_range.end])
