@@ -281,6 +281,96 @@ def module_children(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return module._modules
 
 
+# No public alternative as of torch 2.13 (torch's RPC agent calls it at init_rpc): the
+# node_id that the legacy profiler gives the events it records in this process.
+set_profiler_node_id: Callable[[int], None] = _private(
+    "torch._C._distributed_rpc", "_set_profiler_node_id"
+)
+# No public alternative as of torch 2.13 (torch's RPC server profiles requests with them):
+# the legacy profiler of the calling thread, on with a torch ProfilerConfig, and off,
+# returning its raw records (``list[list[ProfilerEvent]]``).
+enable_legacy_profiler: Callable[[Any], None] = _private(
+    "torch.autograd", "_enable_profiler_legacy"
+)
+disable_legacy_profiler: Callable[[], list] = _private("torch.autograd", "_disable_profiler_legacy")
+_legacy_profiler = _private("torch.autograd", "profiler_legacy")
+_parse_legacy_records = _private("torch.autograd.profiler_legacy", "_parse_legacy_records")
+_private("torch.autograd.profiler_legacy.profile", "_start_trace")
+_private("torch.autograd.profiler.profile", "_start_trace")
+
+
+def parse_legacy_records(records: list) -> list:
+    """The ``FunctionEvent``\\ s of raw legacy profiler records, sorted by start (those
+    that :func:`watch_torch_profilers` adds to a profile are not among them).
+
+    No public alternative as of torch 2.13: ``torch.autograd.profiler_legacy``'s private
+    parser, which its ``profile`` and torch's RPC server profiler use.
+    """
+    return _parse_legacy_records(records)
+
+
+def legacy_profile_start_ns(records: list) -> int | None:
+    """When the legacy profile of ``records`` started (its ``__start_profile`` mark), in ns
+    of the wall clock (``time.time_ns()``); None if the records hold no such mark.
+
+    No public alternative as of torch 2.13: legacy records count from that mark, and
+    ``ProfilerEvent.start_us()`` gives its wall-clock time in us.
+    """
+    for thread in records:
+        for record in thread:
+            if record.name() == "__start_profile":
+                return int(record.start_us() * 1000)
+    return None
+
+
+_watchers: list[tuple[Callable, Callable]] = []
+
+
+def watch_torch_profilers(
+    on_start: Callable[[Any, bool], None], add_legacy_events: Callable[[list, list], list]
+) -> None:
+    """Call ``on_start(profile, legacy)`` on the thread that starts a ``torch.autograd.
+    profiler.profile`` (``legacy=False``; ``torch.profiler.profile`` starts one) or a
+    ``torch.autograd.profiler_legacy.profile`` (``legacy=True``) once it records; and make
+    every parse of legacy records (on the thread that stops a legacy profile) return
+    ``add_legacy_events(records, events)``. Watching with the same functions again
+    changes nothing.
+
+    Wraps the private ``_start_trace`` of both profile classes and
+    ``profiler_legacy._parse_legacy_records``. Waits for a public way to learn a running
+    profiler's settings and to add events to a legacy profile: torch's own RPC profiling
+    adds remote events to the legacy profiler in C++.
+    """
+    with _parser_lock:
+        if (on_start, add_legacy_events) in _watchers:
+            return
+        _watchers.append((on_start, add_legacy_events))
+        if len(_watchers) > 1:
+            return  # the wrappers are in place
+
+        def wrap_start(cls: type, legacy: bool) -> None:
+            original = cls._start_trace
+
+            def start(self: Any, *args: Any, **kwargs: Any) -> Any:
+                result = original(self, *args, **kwargs)
+                for watch, _ in list(_watchers):
+                    watch(self, legacy)
+                return result
+
+            cls._start_trace = start
+
+        wrap_start(torch.autograd.profiler.profile, False)
+        wrap_start(_legacy_profiler.profile, True)
+
+        def parse(records: Any, *args: Any, **kwargs: Any) -> list:
+            events = _parse_legacy_records(records, *args, **kwargs)
+            for _, add in list(_watchers):
+                events = add(records, events)
+            return events
+
+        _legacy_profiler._parse_legacy_records = parse
+
+
 # --- Python --------------------------------------------------------------------------------------
 
 # No public alternative as of Python 3.13: atexit handlers run only after the interpreter

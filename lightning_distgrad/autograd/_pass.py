@@ -36,9 +36,16 @@ from torch.autograd.graph import GradientEdge
 
 from .._compat import engine_run_backward, num_node_inputs, tensor_hooks
 from ..rpc._errors import timeout_error
+from ..rpc._profiling import recording, span
 from ._context import DistAutogradContext, sum_grads
 from ._credit import NO_CREDIT, Credit, add_credit, is_all_credit
 from ._graph import Graph, is_leaf_node
+
+#: Profiler spans of the send and recv functions, under the names torch's engine records
+#: them by: a send function taking the gradients its peer shipped, a recv function's
+#: gradients collected for its peer.
+SEND_FUNCTION_SPAN = "torch::distributed::autograd::SendRpcBackward"
+RECV_FUNCTION_SPAN = "torch::distributed::autograd::RecvRpcBackward"
 
 #: Where a pass hands gradient messages ``[(peer, items)]`` to leave while it runs on.
 Ship = Callable[[list[tuple[int, list]]], None]
@@ -135,8 +142,13 @@ class Pass:
         ``None`` instead of the list: every gradient of that send is absent.
         """
         with self.lock:
+            recorded = recording()  # once per delivery: the cost of not profiling
             for msg_id, grads in items:
-                self._deliver_send(msg_id, grads)
+                if recorded:
+                    with span(SEND_FUNCTION_SPAN):
+                        self._deliver_send(msg_id, grads)
+                else:
+                    self._deliver_send(msg_id, grads)
             return self._run(ship)
 
     def _deliver_send(self, msg_id: int, grads: list | None) -> None:
@@ -372,7 +384,11 @@ class Pass:
             self.finalized.add(node)
             grads = self.buffers.pop(node, {})
             if node in self.recv_ids:
-                peer, item = self._recv_gradients(node, grads)
+                if recording():
+                    with span(RECV_FUNCTION_SPAN):
+                        peer, item = self._recv_gradients(node, grads)
+                else:
+                    peer, item = self._recv_gradients(node, grads)
                 by_peer.setdefault(peer, []).append(item)
             else:
                 grad = self._run_held_hooks(node, grads.get(0))

@@ -19,7 +19,8 @@ from mpi4py import MPI
 
 from .._compat import quiet_first_profiler_cycle, quiet_kineto_without_gpu
 from ..rpc import _core
-from ..rpc._profiling import MessageLog, active_log, collect_remote_events, set_log
+from ..rpc._profiling import MessageLog, active_log, set_log
+from ..rpc._remote_events import collect_remote_events
 from ._timeline import clock_offsets, merge_traces
 
 #: How often a rank waiting for the others checks whether they arrived (it sleeps

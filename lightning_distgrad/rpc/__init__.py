@@ -8,6 +8,11 @@ Port a program by replacing ``import torch.distributed.rpc as rpc`` with
 from . import functions
 from ._agent import WorkerInfo
 from ._core import UNSET_RPC_TIMEOUT
+from ._server_profiler import (
+    _disable_server_process_global_profiler,
+    _enable_server_process_global_profiler,
+    _server_process_global_profile,
+)
 from .api import (
     _get_current_rpc_agent,
     _get_debug_info,
@@ -49,4 +54,7 @@ __all__ = [
     "_get_current_rpc_agent",
     "_get_debug_info",
     "_rref_context_get_debug_info",
+    "_server_process_global_profile",
+    "_enable_server_process_global_profiler",
+    "_disable_server_process_global_profiler",
 ]

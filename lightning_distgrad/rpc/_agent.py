@@ -39,7 +39,8 @@ from . import _devices, _hooks
 from ._calls import Deadlines, Pending, UserFuture, Waiter, future_done
 from ._errors import rebuild_error, set_error, timeout_error
 from ._one_way import HANDLERS
-from ._profiling import expect_remote_events, span_until
+from ._profiling import span_until
+from ._remote_events import expect_remote_events, profiled_request_body
 from ._serving import Serving
 from ._transport import Transport
 from ._wire import (
@@ -181,10 +182,15 @@ class Agent:
         When a profiler records this thread, the callee records the call too (a
         PROFILED_REQUEST) and the caller's profiler lists what it recorded.
         """
-        if expect_remote_events(dst_id, frame.call_id, name, future):
-            frame = frame._replace(kind=Kind.PROFILED_REQUEST)
+        # The span starts before the send, as torch's does: the callee's events, placed
+        # between the send and the response, lie inside it.
+        recorded = span_until(name, future)
+        options = expect_remote_events(dst_id, frame.call_id, name, future)
+        if options is not None:
+            body = profiled_request_body(options, frame.body)
+            frame = frame._replace(kind=Kind.PROFILED_REQUEST, body=body)
         self.transport.send(dst_id, frame, tensors, devices)
-        return span_until(name, future)
+        return recorded
 
     def send_one_way(
         self, dst_id: int, kind: Kind, body: tuple, tensors: list[torch.Tensor] = ()

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from .._compat import CFuture
-from . import _hooks
+from . import _hooks, _server_profiler
 from ._errors import is_async_function, not_importable, remote_error
-from ._profiling import Recorder, profiling_key, run_recorded
+from ._profiling import profiling_key, run_recorded
+from ._remote_events import Recorder, recording_for_caller, split_profiled_request_body
 from ._transport import Transport
 from ._wire import Frame, Kind, decode_payload, encode_payload
 from ._worker_info import WorkerInfo
@@ -39,7 +40,10 @@ def _decode_and_call(payload: bytes, tensors: list, route: str) -> tuple[Callabl
     return func, run_recorded(name, func, *args, **kwargs)
 
 
-def _serve_span(func: Callable, route: str) -> tuple[str, None]:
+def _serve_span(func: Callable, route: str) -> tuple[str, None] | None:
+    if _server_profiler.serving_profiled() or recording_for_caller():
+        # What torch's profiles list of a served request is what it ran, and only that.
+        return None
     return profiling_key("serve", func, route), None
 
 
@@ -96,7 +100,9 @@ class Serving:
         """:meth:`_call` for a PROFILED_REQUEST: run under a :class:`Recorder`, whose events
         go back in a REMOTE_EVENTS frame before the response (frames between two workers
         arrive in the order they were sent, so the caller has them when its call returns)."""
-        recorder = Recorder(self.info.id)
+        options, body = split_profiled_request_body(frame.body)
+        frame = frame._replace(body=body)
+        recorder = Recorder(self.info.id, options)
         send = functools.partial(self._send_remote_events, source, frame.call_id, recorder)
         try:
             with recorder:
@@ -122,7 +128,11 @@ class Serving:
         records it (see :meth:`_call_profiled`)."""
         call = self._call_profiled if profiled else self._call
         try:
-            ctx_id, func, result = call(source, frame, tensors)
+            # A caller's profiler takes precedence: a thread records under one at a time.
+            if _server_profiler.ranges and not profiled:
+                ctx_id, func, result = _server_profiler.run_profiled(call, source, frame, tensors)
+            else:
+                ctx_id, func, result = call(source, frame, tensors)
         except BaseException as e:
             self.reply_error(source, frame.call_id, e)
             return
@@ -146,9 +156,11 @@ class Serving:
         """A torch operator with no autograd context: :meth:`run_request` minus the
         hooks (nothing to record, no context to switch: an operator makes no RPCs)."""
         try:
-            _, result = _hooks.with_grad(
-                _decode_and_call, frame.payload, tensors, self._route(source)
-            )
+            args = (_decode_and_call, frame.payload, tensors, self._route(source))
+            if _server_profiler.ranges:
+                _, result = _server_profiler.run_profiled(_hooks.with_grad, *args)
+            else:
+                _, result = _hooks.with_grad(*args)
         except BaseException as e:
             self.reply_error(source, frame.call_id, e)
             return

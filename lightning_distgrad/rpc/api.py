@@ -10,12 +10,13 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from .._compat import register_atexit
-from . import _core, _hooks, _rref_context, _shutdown, _wire
+from .._compat import register_atexit, set_profiler_node_id
+from . import _core, _hooks, _rref_context, _server_profiler, _shutdown, _wire
 from . import rref as _rref
 from ._abort import abort_mpi_job
 from ._agent import Agent, WorkerInfo
 from ._core import UNSET_RPC_TIMEOUT
+from ._remote_events import watch_profilers
 from .options import BackendType, MPIRpcBackendOptions
 from .rref import RRef
 
@@ -111,6 +112,11 @@ def init_rpc(
             if dst_name not in rank_of:
                 raise ValueError(f"rank {src} set a device map for unknown worker {dst_name!r}")
     _hooks.get().on_init(my_rank)
+    # Events of torch profilers carry this worker's id, as under torch's agent, and calls
+    # made under a legacy profiler list their remote events in it.
+    set_profiler_node_id(my_rank)
+    watch_profilers()
+    _server_profiler.forget_open_ranges()
     context = _rref_context.init_context(my_rank)
     limits = _wire.FrameLimits(options.max_message_bytes, _wire.local_devices())
     agent = Agent(

@@ -314,6 +314,11 @@ class RRef(Generic[T]):
             return done
         return self._creation
 
+    def _get_profiling_future(self) -> torch.futures.Future:
+        """The future of the ``remote()`` call that created this RRef, completed once a
+        profiler recording that call has recorded its end (torch's RRef method)."""
+        return self._get_future()
+
     def _get_type(self, timeout: float = _core.UNSET_RPC_TIMEOUT, blocking: bool = True):
         timeout = _core.check_timeout(timeout)
         if self._user is None:
