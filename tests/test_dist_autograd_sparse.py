@@ -483,6 +483,106 @@ def test_trainers_update_one_sparse_table_on_a_parameter_server(rpc_world):
 
 
 # ---------------------------------------------------------------------------
+# What the context keeps: a gradient itself or a copy (torch's AccumulateGrad rule)
+
+
+class KeepsSparseGrad(torch.autograd.Function):
+    """Identity that remembers the gradient it passed on (and views of its parts)."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        KeepsSparseGrad.seen = [grad._values().data_ptr(), grad._indices(), grad._values()]
+        return grad
+
+
+class SharedNonContiguousSparseGrad(torch.autograd.Function):
+    """``a + b`` whose backward gives both inputs one sparse gradient with
+    non-contiguous indices and values."""
+
+    values_ptr = None
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return a + b
+
+    @staticmethod
+    def backward(ctx, grad):
+        values = torch.rand(1, 3).expand(8, 3)
+        indices = torch.ones(1, 1, dtype=torch.long).expand(1, 8)
+        shared = torch.sparse_coo_tensor(indices, values, (10, 3))
+        SharedNonContiguousSparseGrad.values_ptr = shared._values().data_ptr()
+        return shared, shared
+
+
+EMBEDDING_IDS = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9])
+EMBEDDING_OFFSETS = torch.tensor([0, 4])
+
+
+def test_a_sparse_gradient_is_kept_without_a_copy_and_accumulates(rpc_world):
+    """torch's ``test_no_grad_copy_sparse`` (first part) and
+    ``test_grad_copy_sparse_indices_extra_ref``: the context keeps the values of a
+    sparse gradient with contiguous parts (views of them held elsewhere or not)."""
+    a = torch.randn(10, 3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        table = KeepsSparseGrad.apply(a)
+        loss = F.embedding_bag(EMBEDDING_IDS, table, EMBEDDING_OFFSETS, sparse=True).sum()
+        dist_autograd.backward(context_id, [loss], retain_graph=True)
+        grad = dist_autograd.get_gradients(context_id)[a]
+        assert grad.is_sparse and grad._values().data_ptr() == KeepsSparseGrad.seen[0]
+        for _ in range(10):
+            dist_autograd.backward(context_id, [loss], retain_graph=True)
+        F.embedding_bag(EMBEDDING_IDS, a, EMBEDDING_OFFSETS, sparse=True).sum().backward()
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[a], 11 * a.grad)
+    KeepsSparseGrad.seen = []
+
+
+def test_one_sparse_gradient_of_two_leaves_is_copied_for_each(rpc_world):
+    """torch's ``test_no_grad_copy_sparse`` (second part): non-contiguous parts, and one
+    tensor for two leaves: each leaf gets a copy of its own."""
+    a = torch.randn(10, 3, requires_grad=True)
+    b = torch.randn(10, 3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        table = SharedNonContiguousSparseGrad.apply(a, b)
+        loss = F.embedding_bag(EMBEDDING_IDS, table, EMBEDDING_OFFSETS, sparse=True).sum()
+        dist_autograd.backward(context_id, [loss], retain_graph=True)
+        grads = dist_autograd.get_gradients(context_id)
+        ptr_a, ptr_b = grads[a]._values().data_ptr(), grads[b]._values().data_ptr()
+        assert ptr_a != ptr_b
+        assert SharedNonContiguousSparseGrad.values_ptr not in (ptr_a, ptr_b)
+        torch.testing.assert_close(grads[a], grads[b])
+        for _ in range(10):
+            dist_autograd.backward(context_id, [loss], retain_graph=True)
+        grads = dist_autograd.get_gradients(context_id)
+        assert grads[a]._values().data_ptr() != grads[b]._values().data_ptr()
+        torch.testing.assert_close(grads[a], grads[b])
+
+
+def test_leaves_given_one_dense_gradient_do_not_share_it_in_the_context(rpc_world):
+    """torch's ``test_no_grad_copy`` (dense): ``a + b`` gives both leaves one tensor; an
+    in-place change of one leaf's gradient (clipping) must not change the other's."""
+    a = torch.rand(3, 3, requires_grad=True)
+    b = torch.rand(3, 3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync(rpc_world.peer(), torch.add, (a, b)).sum()
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)
+        assert grads[a].data_ptr() != grads[b].data_ptr()
+        grads[a].mul_(0.5)
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[b], torch.ones(3, 3))
+    with dist_autograd.context() as context_id:  # a lone contiguous gradient is kept
+        dist_autograd.backward(context_id, [(a * b).sum()])
+        grads = dist_autograd.get_gradients(context_id)
+        torch.testing.assert_close(grads[a], b.detach())
+        torch.testing.assert_close(grads[b], a.detach())
+
+
+# ---------------------------------------------------------------------------
 # What the receiver refuses
 
 
