@@ -248,6 +248,15 @@ def module_children(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return module._modules
 
 
+def coo_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indices and values of a sparse COO tensor as stored, coalesced or not (views).
+
+    Public alternative: ``indices()`` and ``values()``, which refuse an uncoalesced tensor
+    (coalescing it first would cost a sort and change what a sender sends).
+    """
+    return t._indices(), t._values()
+
+
 # --- Python --------------------------------------------------------------------------------------
 
 # No public alternative as of Python 3.13: atexit handlers run only after the interpreter

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from lightning_distgrad._compat import coo_parts
 from lightning_distgrad.rpc import _sparse, _wire
 from lightning_distgrad.rpc._wire import (
     Frame,
@@ -87,6 +88,14 @@ def test_sparse_tensors_arrive_with_their_layout_values_and_coalesced_flag(name)
         if sent.layout == torch.sparse_coo:
             assert t.is_coalesced() == sent.is_coalesced()
             assert torch.equal(t._indices(), sent._indices())  # order kept, not coalesced
+
+
+def test_coo_parts_are_the_stored_indices_and_values_of_an_uncoalesced_tensor():
+    t = _coo()
+    indices, values = coo_parts(t)
+    assert not t.is_coalesced()
+    assert indices.tolist() == [[1, 0, 1], [0, 2, 0]] and values.tolist() == [1.5, -2.0, 4.0]
+    assert torch.equal(torch.sparse_coo_tensor(indices, values, t.shape).to_dense(), t.to_dense())
 
 
 def test_dense_only_messages_have_an_empty_sparse_table():

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .._compat import coo_parts
+
 AUTO_INCREMENT_BITS = 48
 AUTO_INCREMENT_MASK = (1 << AUTO_INCREMENT_BITS) - 1
 MAX_WORKER_ID = 65535
@@ -41,7 +43,7 @@ def first_gradient(leaf: torch.Tensor, grad: torch.Tensor, shared: bool) -> torc
     clipping, an optimizer) cannot reach the other.
     """
     if grad.layout is torch.sparse_coo:
-        indices, values = grad._indices(), grad._values()
+        indices, values = coo_parts(grad)
         if shared or not (indices.is_contiguous() and values.is_contiguous()):
             return grad.clone()
         return torch.sparse_coo_tensor(

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .._compat import coo_parts
+
 __all__ = ["flatten", "unflatten", "problem", "tensor_nbytes"]
 
 _COO = "coo"
@@ -42,7 +44,7 @@ def components(t: torch.Tensor) -> tuple[str, tuple[torch.Tensor, ...], bool | N
     """(layout name, dense components, coalesced flag) of a sparse tensor."""
     t = t.detach()
     if t.layout is torch.sparse_coo:
-        return _COO, (t._indices(), t._values()), t.is_coalesced()
+        return _COO, coo_parts(t), t.is_coalesced()
     name = _COMPRESSED.get(t.layout)
     if name is None:
         raise TypeError(f"tensors of layout {t.layout} cannot be sent over RPC")
