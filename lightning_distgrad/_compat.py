@@ -240,14 +240,6 @@ def num_node_inputs(node: Any) -> int:
     return len(node._input_metadata)
 
 
-def module_children(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """``module``'s registered child modules by attribute name (the live dict).
-
-    Public alternative: ``named_children()``, which yields a module held under two names once.
-    """
-    return module._modules
-
-
 def coo_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The indices and values of a sparse COO tensor as stored, coalesced or not (views).
 
@@ -255,6 +247,14 @@ def coo_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (coalescing it first would cost a sort and change what a sender sends).
     """
     return t._indices(), t._values()
+
+
+def module_children(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``module``'s registered child modules by attribute name (the live dict).
+
+    Public alternative: ``named_children()``, which yields a module held under two names once.
+    """
+    return module._modules
 
 
 # --- Python --------------------------------------------------------------------------------------
