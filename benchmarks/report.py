@@ -8,7 +8,16 @@ from collections import Counter
 
 from _harness import RESULTS, mpi_name, plot, table
 
-ORDER = ["rpc_latency", "bandwidth", "design_note", "overlap", "scaling", "param_server", "smart"]
+ORDER = [
+    "rpc_latency",
+    "bandwidth",
+    "design_note",
+    "overlap",
+    "sparse_grad",
+    "scaling",
+    "param_server",
+    "smart",
+]
 README = RESULTS.parents[1] / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 

@@ -273,6 +273,15 @@ def num_node_inputs(node: Any) -> int:
     return len(node._input_metadata)
 
 
+def coo_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indices and values of a sparse COO tensor as stored, coalesced or not (views).
+
+    Public alternative: ``indices()`` and ``values()``, which refuse an uncoalesced tensor
+    (coalescing it first would cost a sort and change what a sender sends).
+    """
+    return t._indices(), t._values()
+
+
 def module_children(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """``module``'s registered child modules by attribute name (the live dict).
 

@@ -26,8 +26,10 @@ FLOAT32 = _wire._DTYPE_CODES[torch.float32]
 TIB = 1 << 40
 
 
-def raw_frame(kind=Kind.REQUEST, call_id=-1, payload=None, metas=(), body=None, forks=()):
-    return pickle.dumps((int(kind), call_id, payload, metas, body, forks))
+def raw_frame(
+    kind=Kind.REQUEST, call_id=-1, payload=None, metas=(), body=None, forks=(), sparse=()
+):
+    return pickle.dumps((int(kind), call_id, payload, metas, body, forks, sparse))
 
 
 def good_meta(n=3):
@@ -40,6 +42,7 @@ UNANSWERABLE = {
     "truncated pickle": raw_frame(payload=b"x" * 40)[:-9],
     "pickle of a dict": pickle.dumps({"kind": 0}),
     "tuple of 5": pickle.dumps((0, 1, None, (), None)),
+    "tuple of 6 (no sparse table)": pickle.dumps((0, 1, None, (), None, ())),
     "unknown kind": raw_frame(kind=99),
     "call id not an int": raw_frame(call_id="seven"),
     "one-way body of the wrong length": raw_frame(Kind.RREF_FORK, body=(1, 2)),
@@ -206,9 +209,10 @@ def fuzz_frames(seed: int, count: int) -> list[tuple[bytes, list]]:
             rng.choice([(), (tuple(meta),), (tuple(meta), tuple(meta)), "m"]),
             rng.choice([None, (), (-7,), (1, 2), "b"]),
             rng.choice([(), ((1, 2),), "f"]),
+            rng.choice([(), ((0, "coo", (3,), False),), ((1, "csr", (2, 2), None),), "s"]),
         ]
         if rng.random() < 0.3:
-            fields[rng.choice([0, 2, 3, 4, 5])] = rng.choice(values)
+            fields[rng.choice([0, 2, 3, 4, 5, 6])] = rng.choice(values)
         raw = pickle.dumps(tuple(fields))
         if rng.random() < 0.1:
             raw = raw[: rng.randrange(len(raw))]

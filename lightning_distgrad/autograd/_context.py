@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .._compat import coo_parts
+
 AUTO_INCREMENT_BITS = 48
 AUTO_INCREMENT_MASK = (1 << AUTO_INCREMENT_BITS) - 1
 MAX_WORKER_ID = 65535
@@ -26,6 +28,37 @@ def sum_grads(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     if old is None:
         return new
     return new + old if old.is_sparse and not new.is_sparse else old + new
+
+
+def first_gradient(leaf: torch.Tensor, grad: torch.Tensor, shared: bool) -> torch.Tensor:
+    """What the context stores as ``leaf``'s first gradient: ``grad`` itself, or a copy.
+
+    AccumulateGrad's rule, as torch's distributed autograd applies it: the
+    context keeps ``grad`` only if no other leaf got the same tensor (``shared``)
+    and it has the leaf's layout (the "gradient layout contract": the leaf's
+    strides, or contiguous); a sparse COO gradient with contiguous indices and
+    values gets a tensor of its own over them (so that changing the metadata of
+    one never changes the other); anything else is copied. Gradients stored
+    for two leaves thus never alias, and an in-place change of one (gradient
+    clipping, an optimizer) cannot reach the other.
+    """
+    if grad.layout is torch.sparse_coo:
+        indices, values = coo_parts(grad)
+        if shared or not (indices.is_contiguous() and values.is_contiguous()):
+            return grad.clone()
+        return torch.sparse_coo_tensor(
+            indices, values, grad.shape, is_coalesced=grad.is_coalesced(), check_invariants=False
+        )
+    if grad.layout is not torch.strided:
+        return grad.clone()
+    if leaf.is_contiguous():
+        keeps_layout = grad.is_contiguous()
+    else:
+        keeps_layout = grad.stride() == leaf.stride()
+    if keeps_layout and not shared:
+        return grad
+    # The leaf's strides where it has dense, non-overlapping ones; else contiguous.
+    return torch.empty_like(leaf, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
 def check_context_id(context_id: Any) -> None:
@@ -106,12 +139,21 @@ class DistAutogradContext:
                     self.grads[leaf] = grad
 
     def accumulate(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Add each ``(leaf, gradient)`` to the leaf's gradient in this context."""
+        """Add each ``(leaf, gradient)`` to the leaf's gradient in this context.
+
+        A first gradient is kept or copied as :func:`first_gradient` says; one tensor
+        given to several leaves of ``pairs`` is copied for each.
+        """
         with self.lock, torch.no_grad():
             grads = self.grads
+            uses = collections.Counter(id(g) for _, g in pairs) if len(pairs) > 1 else None
             for leaf, grad in pairs:
                 old = grads.get(leaf)
-                grads[leaf] = grad if old is None else sum_grads(old, grad)
+                if old is None:
+                    shared = uses is not None and uses[id(grad)] > 1
+                    grads[leaf] = first_gradient(leaf, grad, shared)
+                else:
+                    grads[leaf] = sum_grads(old, grad)
 
     def __repr__(self) -> str:
         return f"DistAutogradContext(id={self._id})"

@@ -52,6 +52,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ..rpc import _core
 from ..rpc._profiling import run_recorded
+from ..rpc._sparse import tensor_nbytes
 from ..rpc._wire import Kind
 from ._context import ContextContainer, DistAutogradContext, check_context_id
 from ._credit import (  # noqa: F401  (re-exported)
@@ -284,7 +285,7 @@ def _message_span(name: str, src: int, dst: int, tensors: list) -> tuple[str, di
     """The span of one gradient message: its route in the name, its size in the args."""
     infos = _core.require_agent().infos
     route = f"{infos[src].name} -> {infos[dst].name}"
-    size = {"bytes": sum(t.nbytes for t in tensors), "gradients": len(tensors)}
+    size = {"bytes": sum(tensor_nbytes(t) for t in tensors), "gradients": len(tensors)}
     return f"{name}({route})", size
 
 

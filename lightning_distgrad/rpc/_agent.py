@@ -42,6 +42,7 @@ from ._one_way import HANDLERS
 from ._profiling import span_until
 from ._remote_events import expect_remote_events, profiled_request_body
 from ._serving import Serving
+from ._sparse import tensor_nbytes
 from ._transport import Transport
 from ._wire import (
     CALL_KINDS,
@@ -160,7 +161,7 @@ class Agent:
         forks = tuple(pctx.arrival_forks)
         if arrival_forks:
             forks += tuple(arrival_forks)
-        quick = operator and all(t.nbytes <= QUICK_LIMIT_BYTES for t in tensors)
+        quick = operator and all(tensor_nbytes(t) <= QUICK_LIMIT_BYTES for t in tensors)
         kind = Kind.QUICK_REQUEST if quick else Kind.REQUEST
         frame = Frame(kind, call_id, payload, (), meta, forks)
         if profiled is not None:

@@ -46,6 +46,7 @@ import torch
 from mpi4py import MPI
 
 from .._mpi_wait import NAP_MAX_S, nap_until
+from . import _sparse
 from ._abort import abort_mpi_job
 from ._doorbell import Backoff, node_doorbell
 from ._push import PushSend
@@ -173,8 +174,12 @@ class Transport:
     ) -> None:
         """Send ``frame`` (whose ``metas`` get filled here) and its tensors to ``dst``.
 
-        ``devices`` gives each tensor's device on the receiver (default: CPU).
+        ``devices`` gives each tensor's device on the receiver (default: CPU). Sparse
+        tensors travel as their dense components (see ``_sparse``).
         """
+        if any(t.layout is not torch.strided for t in tensors):
+            tensors, devices, entries = _sparse.flatten(tensors, devices)
+            frame = frame._replace(sparse=entries)
         raw, buffers, pushed = self._sender.split(dst, frame, tensors, devices, self._receiver.owns)
         self.send_raw(dst, raw, buffers, frame.kind.name, pushed)
 
@@ -480,6 +485,15 @@ class Transport:
     def _deliver(self, source: int, frame: Frame, tensors: list) -> None:
         if any(meta[4] != "cpu" for meta in frame.metas):
             tensors = [to_target_device(t, m) for t, m in zip(tensors, frame.metas, strict=True)]
+        if frame.sparse:
+            try:
+                tensors = _sparse.unflatten(tensors, frame.sparse)
+            except (RuntimeError, ValueError) as e:
+                reason = f"a sparse tensor breaks its layout's invariants: {e}"
+                error = MalformedFrame(reason, frame)
+                error.source = source
+                self._on_malformed(source, error)
+                return
         self._on_frame(source, frame, tensors)
 
     # -- under the lock ----------------------------------------------------------

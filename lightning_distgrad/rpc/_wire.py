@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
+from . import _sparse
+
 if TYPE_CHECKING:
     from ._buffers import ReceiveBufferPool
 
@@ -106,6 +108,9 @@ class Frame(NamedTuple):
     body: Any = None
     # RRef forks the receiver registers on arrival, before later frames run.
     forks: tuple = ()
+    # Where sparse tensors stood among the tensors and how to rebuild each from the dense
+    # components that travel in their place (see ``_sparse``); empty for dense ones only.
+    sparse: tuple = ()
 
     def dumps(self, metas: tuple | None = None) -> bytes:
         """The frame's bytes; ``metas`` replaces the tensor table's metadata if given."""
@@ -117,6 +122,7 @@ class Frame(NamedTuple):
                 self.metas if metas is None else metas,
                 self.body,
                 self.forks,
+                self.sparse,
             ),
             _PROTOCOL,
         )
@@ -158,20 +164,20 @@ def decode_frame(raw: bytes | bytearray, limits: FrameLimits) -> Frame:
         fields = pickle.loads(raw)
     except Exception as e:
         raise MalformedFrame(f"undecodable frame ({type(e).__name__}: {e})") from None
-    if type(fields) is not tuple or len(fields) != 6:
-        raise MalformedFrame(f"a frame is a 6-field tuple, got {type(fields).__name__}")
-    kind, call_id, payload, metas, body, forks = fields
+    if type(fields) is not tuple or len(fields) != 7:
+        raise MalformedFrame(f"a frame is a 7-field tuple, got {type(fields).__name__}")
+    kind, call_id, payload, metas, body, forks, sparse = fields
     try:
         kind = Kind(kind)
     except (ValueError, TypeError):
         raise MalformedFrame(f"unknown frame kind {kind!r}") from None
     if type(call_id) is not int:
         raise MalformedFrame(f"call id {call_id!r} is not an int")
-    frame = Frame(kind, call_id, payload, metas, body, forks)
+    frame = Frame(kind, call_id, payload, metas, body, forks, sparse)
     if payload is not None and type(payload) is not bytes:
         raise MalformedFrame(f"payload is a {type(payload).__name__}, not bytes", frame)
-    if type(metas) is not tuple or type(forks) is not tuple:
-        raise MalformedFrame("tensor table and forks must be tuples", frame)
+    if type(metas) is not tuple or type(forks) is not tuple or type(sparse) is not tuple:
+        raise MalformedFrame("tensor table, forks and sparse table must be tuples", frame)
     if not all(_is_fork(f) for f in forks):
         raise MalformedFrame("forks must be ((worker, id), (worker, id)) pairs", frame)
     total = len(raw)
@@ -180,6 +186,10 @@ def decode_frame(raw: bytes | bytearray, limits: FrameLimits) -> Frame:
         if problem is not None:
             raise MalformedFrame(f"tensor {index}: {problem}", frame)
         total += meta[2]
+    if sparse:
+        problem = _sparse.problem(sparse, [(_DTYPES[m[0]], m[1]) for m in metas])
+        if problem is not None:
+            raise MalformedFrame(problem, frame)
     if total > limits.max_message_bytes:
         raise MalformedFrame(
             f"the message declares {_size(total)} in all, above this worker's "
@@ -277,14 +287,16 @@ def encode_payload(obj: Any, dst_id: int) -> tuple[bytes, list[torch.Tensor], Pi
     pids: dict[int, Any] = {}
 
     def persistent_id(o: Any) -> Any:
-        # Dense tensors and Parameters go to the table (so autograd can record
-        # them); other subclasses reduce to their plain ``.data`` tensor, which
-        # then lands here; sparse tensors reduce to dense indices and values.
-        # Torch operators travel as their pickled reference (see _function_id).
+        # Dense and sparse tensors and Parameters go to the table (so autograd
+        # can record them; the transport carries sparse ones as their dense
+        # components); other subclasses reduce to their plain ``.data`` tensor,
+        # which then lands here, as do tensors of other layouts to what pickle
+        # makes of them. Torch operators travel as their pickled reference (see
+        # _function_id).
         kind = type(o)
         if kind is not torch.Tensor and kind is not torch.nn.Parameter:
             return _function_id(o) if kind is types.BuiltinFunctionType else None
-        if o.layout != torch.strided:
+        if o.layout is not torch.strided and o.layout not in _sparse.LAYOUTS:
             return None
         pid = pids.get(id(o))
         if pid is None:
