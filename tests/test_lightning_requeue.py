@@ -44,7 +44,7 @@ def slurm_job(monkeypatch):
     monkeypatch.setenv("SLURM_NTASKS", str(world().Get_size()))
     monkeypatch.delenv("SLURM_JOB_NAME", raising=False)
     requeued: list[str] = []
-    monkeypatch.setattr(_requeue, "schedule_requeue", requeued.append)
+    monkeypatch.setattr(_requeue, "exit_for_requeue", requeued.append)
     _requeue.reset_signal()
     yield requeued
     _requeue.reset_signal()
@@ -121,7 +121,8 @@ def test_signal_to_one_rank_mid_step_stops_all_at_one_step_and_resumes(
         assert stop_step == SIGNAL_STEP + 1, steps
     # One checkpoint, written by trainer 0 at that step; only trainer 0 requeues.
     assert sorted(p.name for p in mpi_tmp_path.glob("hpc_ckpt_*")) == ["hpc_ckpt_1.ckpt"]
-    assert slurm_job == (["4242"] if comm.Get_rank() == 0 else [])
+    # Every rank prepares its exit; only trainer 0 requeues.
+    assert slurm_job == (["4242"] if comm.Get_rank() == 0 else [None]), slurm_job
     if comm.Get_rank() == 0:
         checkpoint = torch.load(mpi_tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)
         assert checkpoint["global_step"] == stop_step

@@ -14,7 +14,8 @@ loop at all. Here the handler only sets a flag, on any rank:
    ``default_root_dir``: remote parameters and every trainer's remote optimizer state included;
 3. ``Trainer.fit`` raises :class:`RequeueExit` on every rank, serving ranks too (a ``SystemExit``
    with status 0: the script ends, ``python -m mpi4py`` does not abort), the RPC agent shuts
-   down as at any exit, and trainer 0 then runs ``scontrol requeue``;
+   down as at any exit, every rank finalises MPI, and trainer 0 then runs ``scontrol requeue``
+   (:func:`exit_for_requeue` says why in that order);
 4. the requeued job's ``Trainer.fit(ckpt_path=None)`` finds the hpc checkpoint by itself, as
    Lightning does under Slurm, and resumes from it.
 """
@@ -34,7 +35,8 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from .._compat import hpc_save_path
+from .._compat import hpc_save_path, register_atexit
+from .._mpi_wait import nap_until
 from ..rpc._core import call_all
 
 __all__ = ["RequeueCheckpoint", "RequeueExit", "SlurmRequeue", "requeue_job", "slurm_job_id"]
@@ -108,10 +110,44 @@ def requeue_job(job_id: str) -> bool:
     return True
 
 
-def schedule_requeue(job_id: str) -> None:
-    """Requeue the job when this process exits: after the RPC agent's shutdown (an exit hook
-    that runs before ``atexit``'s), so that no rank is killed half-way through it."""
-    atexit.register(requeue_job, job_id)
+def exit_for_requeue(job_id: str | None) -> None:
+    """Make this process's exit safe for the requeue; with ``job_id`` (trainer 0), requeue the
+    job at its very end.
+
+    The requeue kills whatever still runs of the job. A rank killed before ``MPI_Finalize``
+    leaves its MPI library's shared memory of the job step behind, and the requeued job, which
+    has the same job and step ids, can find it on the same node and fail in ``MPI_Init`` (seen
+    with MPICH: a hang, or "Destination is unreachable"). So at exit every rank ignores
+    ``SIGTERM`` (Slurm's ``SIGKILL`` still follows ``KillWait`` seconds later), shuts the RPC
+    agent down as usual, meets the other ranks and calls ``MPI_Finalize``; only then does
+    trainer 0 run ``scontrol requeue``.
+    """
+    register_atexit(_ignore_sigterm)  # threading's exit hooks: before the RPC agent's shutdown
+    atexit.register(_finalize_then_requeue, job_id)  # after it
+
+
+def _ignore_sigterm() -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _finalize_then_requeue(job_id: str | None, timeout: float = 60.0) -> None:
+    try:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            barrier = MPI.COMM_WORLD.Ibarrier()
+            if nap_until(barrier.Test, timeout):
+                MPI.Finalize()
+            else:
+                log.warning(
+                    f"auto-requeue: not every rank reached the end within {timeout:.0f} s;"
+                    " requeuing without MPI_Finalize."
+                )
+    except Exception as e:  # the requeue matters more than a clean finalisation
+        log.warning(f"auto-requeue: MPI_Finalize failed before the requeue: {e}")
+    if job_id is not None:
+        requeue_job(job_id)
 
 
 class _Flag:
@@ -217,8 +253,7 @@ class RequeueCheckpoint(Callback):
             f"auto-requeue: saved {path} at step {trainer.global_step}; requeuing Slurm job"
             f" {job_id} once every rank has exited."
         )
-        if trainer.is_global_zero and job_id is not None:
-            schedule_requeue(job_id)
+        exit_for_requeue(job_id if trainer.is_global_zero else None)
         raise RequeueExit(job_id)
 
 

@@ -22,8 +22,9 @@ from typing_extensions import override
 
 from .._compat import Launcher
 from ..rpc._core import call_all
+from . import _requeue
 from ._remote import StageReport, report_stage, stage_board
-from ._requeue import RequeueExit, slurm_job_id
+from ._requeue import RequeueExit
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -204,7 +205,8 @@ class RoleLauncher(Launcher):
                 raise RuntimeError(text) from None
         if any(r.requeue for r in reports):
             log.info(f"rank {roles.rank} stops for the requeue of the Slurm job.")
-            raise RequeueExit(slurm_job_id())
+            _requeue.exit_for_requeue(None)
+            raise RequeueExit(_requeue.slurm_job_id())
         log.debug(f"{strategy.__class__.__name__}: rank {roles.rank} served stage {stage}.")
 
     def _report(self, stage: int, error: tuple[type, str] | None, requeue: bool = False) -> None:
