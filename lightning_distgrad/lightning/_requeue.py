@@ -247,7 +247,7 @@ class RequeueCheckpoint(Callback):
         strategy = trainer.strategy
         # One name for every trainer: trainer 0 picks the next free number.
         path = strategy.broadcast(hpc_save_path(trainer) if trainer.is_global_zero else None, 0)
-        trainer.save_checkpoint(path)  # a collective over the trainers: remote states too
+        trainer.save_checkpoint(path, weights_only=False)  # a collective: remote states too
         job_id = slurm_job_id()
         rank_zero_info(
             f"auto-requeue: saved {path} at step {trainer.global_step}; requeuing Slurm job"
