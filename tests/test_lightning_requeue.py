@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist_utils import make_trainer
+from _dist_utils import make_trainer, wait_until
 
 from lightning_distgrad import DistAutogradStrategy
 from lightning_distgrad import rpc as dist_rpc
@@ -71,6 +71,10 @@ def signal_rank(target: int, step: int, via_flag: bool = False):
             return
         pid = dist_rpc.rpc_sync(f"worker{target}", os.getpid)
         os.kill(pid, signal.SIGUSR1)
+        if target == module.trainer.strategy.server_ranks[0]:
+            # A server passes the signal on within a poll of its serve loop: wait for it here,
+            # so that the step it lands in is known.
+            assert wait_until(lambda: _requeue._flag.received, timeout=60)
 
     return on_step
 
@@ -115,10 +119,9 @@ def test_signal_to_one_rank_mid_step_stops_all_at_one_step_and_resumes(
     steps = comm.allgather(None if trainer.strategy.is_server else trainer.global_step)
     stop_step = steps[0]
     assert steps[:-1] == [stop_step] * (size - 1), steps
-    if target == "server":  # relayed to the trainers: a later step, never past the end
-        assert SIGNAL_STEP + 1 <= stop_step < STEPS, steps
-    else:  # the step that was running when the signal came is the last
-        assert stop_step == SIGNAL_STEP + 1, steps
+    # The step that was running when the signal came (or, from the server, was relayed) is
+    # the last.
+    assert stop_step == SIGNAL_STEP + 1, steps
     # One checkpoint, written by trainer 0 at that step; only trainer 0 requeues.
     assert sorted(p.name for p in mpi_tmp_path.glob("hpc_ckpt_*")) == ["hpc_ckpt_1.ckpt"]
     # Every rank prepares its exit; only trainer 0 requeues.
