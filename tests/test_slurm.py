@@ -1,4 +1,7 @@
-"""Submit slurm/cpu_example.sbatch to a real Slurm and check the MPI job ran.
+"""Submit slurm/cpu_example.sbatch to a real Slurm and check the MPI job ran; and the Lightning
+strategy's auto-requeue there: a 3-rank job signalled with SIGUSR1 is requeued and resumes, a
+job whose trainer is killed resumes when submitted again (both end with the parameters of an
+uninterrupted run).
 
 Plain pytest (not under MPI). The job runs this interpreter's MPI (the wheel of its venv:
 MPICH, Open MPI or Intel MPI), and the script must pick that MPI's ``srun --mpi=`` plugin;
