@@ -403,6 +403,13 @@ _LIGHTNING_HOOKS = (
     # No public alternative as of Lightning 2.6: on_before_optimizer_step hooks and gradient
     # clipping, in Lightning's order, for a strategy that runs the optimizer step itself.
     ("lightning.pytorch.plugins.precision", "Precision", "_after_closure"),
+    # No public alternative as of Lightning 2.6: the name of the next hpc checkpoint
+    # (hpc_save_path above, for Slurm auto-requeue).
+    (
+        "lightning.pytorch.trainer.connectors.checkpoint_connector",
+        "_CheckpointConnector",
+        "hpc_save_path",
+    ),
 )
 
 
@@ -448,3 +455,14 @@ def check_lightning_hooks() -> None:
                 " installed Lightning lacks. HINT: install a Lightning version that"
                 f" lightning_distgrad is tested with ({_describe(SUPPORTED_LIGHTNING)})."
             )
+
+
+def hpc_save_path(trainer: Any) -> str:
+    """The path of the next Lightning "hpc" checkpoint in ``trainer.default_root_dir``
+    (``hpc_ckpt_<N+1>.ckpt`` after the highest N there), as Lightning's Slurm handler names it;
+    ``Trainer.fit(ckpt_path=None)`` under Slurm resumes from the highest.
+
+    No public alternative as of Lightning 2.6: the trainer's private ``_checkpoint_connector``
+    (a ``_CheckpointConnector``) names it.
+    """
+    return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)

@@ -1,4 +1,7 @@
-"""Submit slurm/cpu_example.sbatch to a real Slurm and check the MPI job ran.
+"""Submit slurm/cpu_example.sbatch to a real Slurm and check the MPI job ran; and the Lightning
+strategy's auto-requeue there: a 3-rank job signalled with SIGUSR1 is requeued and resumes, a
+job whose trainer is killed resumes when submitted again (both end with the parameters of an
+uninterrupted run).
 
 Plain pytest (not under MPI). The job runs this interpreter's MPI (the wheel of its venv:
 MPICH, Open MPI or Intel MPI), and the script must pick that MPI's ``srun --mpi=`` plugin;
@@ -23,6 +26,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -164,3 +168,120 @@ def test_failing_rank_aborts_job(tmp_path):
     rc, out = _submit(tmp_path, SLURM_CHECK_FAIL_RANK="1")
     assert rc != 0, f"job succeeded although rank 1 raised\n{out}"
     assert "SLURM_CHECK_FAIL_RANK" in out, out
+
+
+# --- Auto-requeue of the Lightning strategy -----------------------------------------------------
+
+#: The Lightning job of the requeue tests: 2 trainers and 1 serving rank, SGD with momentum.
+REQUEUE_JOB = "tests/jobs/requeue_train.py"
+REQUEUE_STEPS = 30
+
+
+def _start(tmp_path: Path, ntasks: int, job_args: list[str], **extra_env: str) -> int:
+    """sbatch the CPU script with ``job_args`` for its example (no --wait); the job id.
+
+    ``--requeue`` and ``--open-mode=append`` are in the script (the requeued run appends to
+    the first run's output). ``--overcommit`` places the ranks on one allocated CPU, and
+    ``CPU_BIND=none`` lets them run on every core (3 ranks on a 2-core test machine).
+    """
+    cmd = [
+        "sbatch",
+        "--parsable",
+        f"--output={tmp_path / 'job-%j.out'}",
+        f"--chdir={REPO}",
+        "--nodes=1",
+        f"--ntasks={ntasks}",
+        "--overcommit",
+        "--time=30",
+        "--export=ALL",
+        *shlex.split(os.environ.get("SLURM_TEST_SBATCH_ARGS", "")),
+        str(SCRIPT),
+        *job_args,
+    ]
+    env = _job_env(EXAMPLE=REQUEUE_JOB, CPU_BIND="none", **extra_env)
+    env["PYTHONPATH"] = str(REPO)  # the package of this checkout
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=True)
+    return int(res.stdout.strip().split(";")[0])
+
+
+def _job_state(job: int) -> str | None:
+    """The job's state in the queue (PENDING, RUNNING, ...), or None once it has left it."""
+    res = subprocess.run(
+        ["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True, timeout=60
+    )
+    return res.stdout.strip() or None
+
+
+def _wait(what: str, done, job: int, out: Path) -> None:
+    """Poll ``done()`` every half second for up to SLURM_TEST_TIMEOUT; cancel the job and fail
+    with its output if it never comes true."""
+    deadline = time.monotonic() + TIMEOUT
+    while not done():
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", str(job)], capture_output=True, timeout=60)
+            text = out.read_text() if out.exists() else "(no output)"
+            pytest.fail(f"job {job}: {what} did not happen within {TIMEOUT:.0f} s.\n{text}")
+        time.sleep(0.5)
+
+
+def _printed(out: Path, pattern: str) -> re.Match | None:
+    return re.search(pattern, out.read_text()) if out.exists() else None
+
+
+def _assert_uninterrupted_result(out_file: Path, text: str) -> None:
+    """The job's final parameters equal those of an uninterrupted run (one process)."""
+    sys.path.insert(0, str(REPO / "tests" / "jobs"))
+    import requeue_train
+    import torch
+
+    final = torch.load(out_file, weights_only=True)
+    assert final["global_step"] == REQUEUE_STEPS, text
+    expected = requeue_train.reference(REQUEUE_STEPS, num_trainers=2)
+    assert sorted(final["state"]) == sorted(expected)
+    for name, value in expected.items():
+        diff = (final["state"][name] - value).abs().max().item()
+        assert diff <= 1e-5, f"{name}: max abs difference {diff:.3g}\n{text}"
+
+
+def test_usr1_requeues_the_lightning_job_which_resumes_exactly(tmp_path):
+    # What `#SBATCH --signal=USR1@120` does before a time limit: SIGUSR1 to every task.
+    out_file = tmp_path / "final.pt"
+    args = ["--root", str(tmp_path), "--steps", str(REQUEUE_STEPS), "--out", str(out_file)]
+    job = _start(tmp_path, 3, [*args, "--step-sleep", "0.3"])
+    out = tmp_path / f"job-{job}.out"
+    _wait("step 5", lambda: _printed(out, r"REQUEUE_JOB step=5\b"), job, out)
+    subprocess.run(["scancel", "--signal=USR1", str(job)], check=True, timeout=60)
+    # Requeued: back in the queue, held for a while (Slurm's BeginTime); release it now.
+    _wait("the requeue", lambda: _job_state(job) == "PENDING", job, out)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=60)
+    _wait("the end of the requeued run", lambda: _job_state(job) is None, job, out)
+
+    text = out.read_text()
+    saved = re.search(r"auto-requeue: saved (\S+hpc_ckpt_1\.ckpt) at step (\d+)", text)
+    assert saved, text
+    stop_step = int(saved.group(2))
+    assert 5 <= stop_step < REQUEUE_STEPS, text
+    # The requeued run (SLURM_RESTART_COUNT=1) started from the hpc checkpoint, by itself.
+    assert f"REQUEUE_JOB start step={stop_step} restarts=1" in text, text
+    assert f"REQUEUE_JOB done step={REQUEUE_STEPS}" in text, text
+    _assert_uninterrupted_result(out_file, text)
+
+
+def test_killed_trainer_resubmitted_resumes_from_the_last_periodic_checkpoint(tmp_path):
+    # A trainer dies by SIGKILL at step 12; srun's --kill-on-bad-exit ends the job. The same
+    # job submitted again resumes from ModelCheckpoint's last.ckpt (step 10).
+    out_file = tmp_path / "final.pt"
+    args = ["--root", str(tmp_path), "--steps", str(REQUEUE_STEPS), "--out", str(out_file)]
+    args += ["--every", "5", "--kill-at", "12"]
+    first = _start(tmp_path, 3, args)
+    first_out = tmp_path / f"job-{first}.out"
+    _wait("the end of the killed run", lambda: _job_state(first) is None, first, first_out)
+    assert "killing trainer 1 at step=12" in first_out.read_text()
+    assert not out_file.exists(), first_out.read_text()
+
+    again = _start(tmp_path, 3, args)
+    out = tmp_path / f"job-{again}.out"
+    _wait("the end of the resubmitted run", lambda: _job_state(again) is None, again, out)
+    text = out.read_text()
+    assert "REQUEUE_JOB start step=10 restarts=0" in text, text
+    _assert_uninterrupted_result(out_file, text)

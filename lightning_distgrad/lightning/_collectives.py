@@ -65,6 +65,16 @@ class TrainerCollectives:
         if self.size > 1:
             wait_all(self.comm.Ibarrier())
 
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank: one small allreduce, which no rank leaves before
+        every rank has entered it (so it also serves as a barrier)."""
+        if self.size == 1:
+            return bool(flag)
+        mine = np.array([1 if flag else 0], dtype=np.int32)
+        result = np.empty_like(mine)
+        wait_all(self.comm.Iallreduce(mine, result, op=MPI.MAX))
+        return bool(result[0])
+
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self.size == 1:
             return obj

@@ -11,6 +11,7 @@ the world is the trainers; serving ranks stand outside it), the launcher
 from __future__ import annotations
 
 import logging
+import signal
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from .. import rpc
 from .._compat import quiet_lightning_pytree
 from ..rpc import _core
 from ._collectives import AllGather, TrainerCollectives, reduce_op_name
+from ._requeue import SlurmRequeue
 from ._roles import RoleLauncher, Roles, check_devices, resolve_roles
 from .environment import MPIClusterEnvironment
 
@@ -53,6 +55,8 @@ class MPIRolesStrategy(ParallelStrategy):
         rpc_timeout: float = 60.0,
         num_worker_threads: int = 16,
         device_maps: dict | None = None,
+        auto_requeue: bool = True,
+        requeue_signal: signal.Signals = signal.SIGUSR1,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: MPIClusterEnvironment | None = None,
@@ -83,6 +87,8 @@ class MPIRolesStrategy(ParallelStrategy):
             "num_worker_threads": num_worker_threads,
             "device_maps": device_maps,
         }
+        #: Slurm auto-requeue (armed once RPC runs, under Slurm only).
+        self.requeue = SlurmRequeue(auto_requeue, requeue_signal)
         self._num_nodes = 1
         self._role_launcher: RoleLauncher | None = None
         self._collectives: TrainerCollectives | None = None  # the trainers
@@ -224,6 +230,7 @@ class MPIRolesStrategy(ParallelStrategy):
         self._require_layout()
         super().setup_environment()
         self.start_rpc()
+        self.requeue.arm()  # after MPI_Init and the agent: MPICH has a handler of its own
 
     def start_rpc(self) -> None:
         """Start the RPC agent over the world, once; reuse one that already runs over it.

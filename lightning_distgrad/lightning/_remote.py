@@ -102,11 +102,13 @@ def set_hyperparameters(local_optim_rref: rpc.RRef, hyperparameters: dict[str, A
 
 
 class StageReport(NamedTuple):
-    """A trainer's report that it finished stage ``stage`` (one ``Trainer.fit/validate/...``)."""
+    """A trainer's report that it finished stage ``stage`` (one ``Trainer.fit/validate/...``);
+    ``requeue``: it stopped there for a Slurm requeue."""
 
     stage: int
     trainer_rank: int
     error: tuple[type, str] | None
+    requeue: bool = False
 
 
 class _StageBoard:
@@ -121,10 +123,15 @@ class _StageBoard:
             self._reports.setdefault(report.stage, []).append(report)
             self._cond.notify_all()
 
-    def wait(self, stage: int, num_trainers: int) -> list[StageReport]:
+    def wait(
+        self, stage: int, num_trainers: int, timeout: float | None = None
+    ) -> list[StageReport] | None:
+        """Every trainer's report of ``stage``, or None if ``timeout`` seconds pass first."""
         with self._cond:
-            self._cond.wait_for(lambda: len(self._reports.get(stage, ())) >= num_trainers)
-            return self._reports.pop(stage)
+            done = self._cond.wait_for(
+                lambda: len(self._reports.get(stage, ())) >= num_trainers, timeout
+            )
+            return self._reports.pop(stage) if done else None
 
 
 stage_board = _StageBoard()

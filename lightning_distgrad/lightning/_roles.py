@@ -22,7 +22,9 @@ from typing_extensions import override
 
 from .._compat import Launcher
 from ..rpc._core import call_all
+from . import _requeue
 from ._remote import StageReport, report_stage, stage_board
+from ._requeue import RequeueExit
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -159,13 +161,17 @@ class RoleLauncher(Launcher):
         if self._strategy.is_server:
             return self._serve(stage, trainer)
         error: tuple[type, str] | None = None
+        requeue = False
         try:
             return function(*args, **kwargs)
+        except RequeueExit:
+            requeue = True
+            raise
         except BaseException as e:
             error = (type(e), f"{type(e).__name__}: {e}")
             raise
         finally:
-            self._report(stage, error)
+            self._report(stage, error, requeue)
 
     @override
     def kill(self, signum: Any) -> None:
@@ -176,7 +182,13 @@ class RoleLauncher(Launcher):
         roles = strategy.roles
         log.debug(f"{strategy.__class__.__name__}: rank {roles.rank} serves stage {stage}.")
         strategy.start_rpc()
-        reports = stage_board.wait(stage, len(roles.trainers))
+        requeue = strategy.requeue
+        if requeue.arm():
+            # The signal handler only sets a flag: look at it now and then, and pass it on.
+            while (reports := stage_board.wait(stage, len(roles.trainers), 0.25)) is None:
+                requeue.relay(roles.trainers)
+        else:
+            reports = stage_board.wait(stage, len(roles.trainers))
         if trainer is not None:
             trainer.state.status = TrainerStatus.FINISHED
         failed = sorted((r for r in reports if r.error is not None), key=lambda r: r.trainer_rank)
@@ -191,16 +203,20 @@ class RoleLauncher(Launcher):
                 raise exc_type(text)
             except TypeError:  # an exception type whose constructor takes other arguments
                 raise RuntimeError(text) from None
+        if any(r.requeue for r in reports):
+            log.info(f"rank {roles.rank} stops for the requeue of the Slurm job.")
+            _requeue.exit_for_requeue(None)
+            raise RequeueExit(_requeue.slurm_job_id())
         log.debug(f"{strategy.__class__.__name__}: rank {roles.rank} served stage {stage}.")
 
-    def _report(self, stage: int, error: tuple[type, str] | None) -> None:
+    def _report(self, stage: int, error: tuple[type, str] | None, requeue: bool = False) -> None:
         strategy = self._strategy
         roles = strategy.roles
         if not roles.servers:
             return
         # Servers wait inside init_rpc if this trainer failed before starting RPC.
         strategy.start_rpc()
-        report = StageReport(stage, roles.trainer_rank, error)
+        report = StageReport(stage, roles.trainer_rank, error, requeue)
         try:
             call_all([(server, report_stage, (report,)) for server in roles.servers])
         except Exception as e:  # picklability of an odd exception type: keep the text

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ from typing_extensions import override
 
 from .._compat import after_closure, optimizers_to_device
 from ..nn import RemoteModule, ReplicatedModule
-from . import _remote
+from . import _remote, _requeue
 from ._checkpoint import (
     REMOTE_OPTIMIZER_STATES,
     load_model_state,
@@ -119,6 +120,13 @@ class DistAutogradStrategy(MPIRolesStrategy):
         num_worker_threads (int): threads that run incoming RPCs on each rank. Default 16.
         device_maps (dict, optional): ``{worker_name: {local_device: remote_device}}`` for
             CUDA tensors sent over RPC (see ``MPIRpcBackendOptions``).
+        auto_requeue (bool): under Slurm, when ``requeue_signal`` reaches any rank, stop every
+            rank after one common step, write a Lightning hpc checkpoint
+            (``hpc_ckpt_N.ckpt`` in ``default_root_dir``), requeue the job and exit (``fit``
+            raises a ``SystemExit`` with status 0); the requeued job resumes from it. As
+            Lightning's ``SLURMEnvironment(auto_requeue=True)``. Default True; outside Slurm
+            the signal changes nothing.
+        requeue_signal (signal.Signals): the signal of ``sbatch --signal``. Default ``SIGUSR1``.
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning's
             ``ParallelStrategy``; usually set by the ``Trainer``.
         cluster_environment (MPIClusterEnvironment, optional): default: one over
@@ -182,6 +190,8 @@ class DistAutogradStrategy(MPIRolesStrategy):
         rpc_timeout: float = 60.0,
         num_worker_threads: int = 16,
         device_maps: dict | None = None,
+        auto_requeue: bool = True,
+        requeue_signal: signal.Signals = signal.SIGUSR1,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: MPIClusterEnvironment | None = None,
@@ -194,6 +204,8 @@ class DistAutogradStrategy(MPIRolesStrategy):
             rpc_timeout=rpc_timeout,
             num_worker_threads=num_worker_threads,
             device_maps=device_maps,
+            auto_requeue=auto_requeue,
+            requeue_signal=requeue_signal,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -241,6 +253,8 @@ class DistAutogradStrategy(MPIRolesStrategy):
         self._remote_modules = take_remote_modules(module)
         check_remote_modules(self._remote_modules, self.roles, self._collectives)
         warn_backward_override(module)
+        if not any(isinstance(c, _requeue.RequeueCheckpoint) for c in trainer.callbacks):
+            trainer.callbacks.append(_requeue.RequeueCheckpoint())
         super().setup(trainer)  # converts, moves to device, builds the optimizers
         self._step.loss_scale = 1.0 / self.num_trainers if self._remote_modules else 1.0
         self._owned_replica, self._replicated = replicate(
@@ -345,10 +359,14 @@ class DistAutogradStrategy(MPIRolesStrategy):
                 )
             after_closure(self.precision_plugin, model, optimizer)  # hooks and clipping
             optimizer.step(**kwargs)  # the local parameters, from `.grad`
+            barrier = False
             if self._updates_remote(optimizer):
                 self._step.step_remote(optimizer)
-                if self.sync_remote_updates and self.num_trainers > 1:
-                    self._collectives.barrier()
+                barrier = self.sync_remote_updates and self.num_trainers > 1
+            if self.requeue.armed:
+                self.requeue.vote(self._collectives)  # an allreduce: the barrier too
+            elif barrier:
+                self._collectives.barrier()
         finally:
             if model.automatic_optimization:
                 self._step.close()
