@@ -197,8 +197,8 @@ def wrap_kineto_results_parser(add_events: Callable[[Any, Any, list], list]) -> 
     Wraps the private ``torch.autograd.profiler.profile._parse_kineto_results``, behind
     ``events()``, ``key_averages()`` and ``table()``. It waits for a public way to add events
     to a Kineto profile: torch's own RPC profiling adds remote events to the legacy profiler
-    only, in C++. Its arguments differ by release (``(result)`` in torch 2.5, ``(result,
-    timeout_s=None)`` in 2.11 to 2.14): the wrapper passes whatever it is given.
+    only, in C++. Its arguments differ by release (``(result)`` in torch 2.5 to 2.10,
+    ``(result, timeout_s=None)`` in 2.11 to 2.14): the wrapper passes whatever it is given.
     """
     profile = torch.autograd.profiler.profile
     with _parser_lock:
@@ -414,9 +414,10 @@ _LIGHTNING_HOOKS = (
 
 
 def quiet_lightning_pytree() -> None:
-    """Ignore the FutureWarning that torch 2.11 to 2.14 raise for every ``LeafSpec`` that
-    Lightning's ``_pytree`` helper builds (once per fit): it concerns Lightning's code, not the
-    user's. torch 2.5 has no such warning, and the filter then matches nothing.
+    """Ignore the FutureWarning that torch (2.10 to 2.14 at least) raises for every
+    ``LeafSpec`` that Lightning's ``_pytree`` helper builds (once per fit): it concerns
+    Lightning's code, not the user's. torch 2.5 has no such warning, and the filter then
+    matches nothing.
 
     Waits for a Lightning release whose ``_pytree`` uses ``TreeSpec.is_leaf()``.
     """
