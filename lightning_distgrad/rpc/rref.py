@@ -34,9 +34,17 @@ import torch
 from .._compat import CFuture
 from . import _core, _hooks
 from ._agent import WorkerInfo
+from ._calls import UserFuture
 from ._errors import is_async_function, set_error, timeout_error
 from ._profiling import run_recorded
-from ._rref_context import ForkChange, _guid_str, _OwnerEntry, _require_context, _UserState
+from ._rref_context import (
+    ForkChange,
+    _guid_str,
+    _OwnerEntry,
+    _require_context,
+    _UserState,
+    received_fork,
+)
 from ._wire import Kind, current_pickling_context
 from .functions import async_execution
 
@@ -95,8 +103,11 @@ def _rref_fetch(rref_id) -> torch.futures.Future:
     return _require_context().entry(rref_id).future
 
 
-def _rref_type(rref_id) -> type:
-    return type(_require_context().entry(rref_id).future.wait())
+@async_execution
+def _rref_type(rref_id) -> torch.futures.Future:
+    # Answered when the value is set: a serving thread does not wait for a creation
+    # that is still running.
+    return _require_context().entry(rref_id).future.then(lambda f: type(f.wait()))
 
 
 @async_execution
@@ -118,14 +129,37 @@ def _rebuild_rref(owner: WorkerInfo, rref_id, fork_id, confirmed: bool) -> RRef:
     context = _require_context()
     if owner.id == context.worker_id:
         return RRef._from_entry(context.consume_fork(rref_id, fork_id))
-    return RRef._from_user(_UserState(owner, rref_id, fork_id, confirmed))
+    state = _UserState(owner, rref_id, fork_id, confirmed)
+    if not confirmed:  # handed on by a user: the owner confirms it once registered
+        confirmation = context.await_confirmation(state)
+        if confirmation is not None:
+            received_fork(confirmation)
+    return RRef._from_user(state)
 
 
 # ---------------------------------------------------------------------------
 
 
+def _check_method(value_type: type, name: str) -> None:
+    """torch's proxies look the method up on the value's type before calling it: a
+    missing one raises ``AttributeError`` here, on the caller."""
+    getattr(value_type, name)
+
+
+def _done_future(value: Any) -> torch.futures.Future:
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(value)
+    return done
+
+
 class _Proxy:
-    """``rref.rpc_sync().method(...)`` and friends: run a method on the owner."""
+    """``rref.rpc_sync().method(...)`` and friends: run a method on the owner.
+
+    As torch's proxies, a call first learns the value's type (``RRef._get_type``,
+    within the call's timeout, so a value still being created times the call out),
+    and raises ``AttributeError`` for a method the type lacks; ``rpc_async`` does
+    both without blocking and reports them through its future.
+    """
 
     def __init__(self, rref: RRef, mode: str, timeout: float):
         timeout = _core.check_timeout(timeout)  # at rref.rpc_sync(timeout), not at the method call
@@ -138,14 +172,53 @@ class _Proxy:
 
         def call(*args, **kwargs):
             packed = (rref, name, args, kwargs)
+            if mode == "async":
+                return _proxy_async(rref, name, packed, timeout)
+            _check_method(rref._get_type(timeout), name)
             if mode == "remote":
                 return create_remote(rref.owner(), _invoke_on_rref, packed, None, timeout)
             fut = _core.invoke(
-                rref.owner(), _invoke_on_rref, packed, None, timeout, user_visible=mode == "async"
+                rref.owner(), _invoke_on_rref, packed, None, timeout, user_visible=False
             )
-            return _core.wait(fut) if mode == "sync" else fut
+            return _core.wait(fut)
 
         return call
+
+
+def _proxy_async(rref: RRef, name: str, packed: tuple, timeout: float) -> torch.futures.Future:
+    """``rref.rpc_async().name(...)``: the call's future, sent once the type is known."""
+    type_future = rref._get_type(timeout, blocking=False)
+
+    def send() -> torch.futures.Future:
+        _check_method(type_future.wait(), name)
+        return _core.invoke(rref.owner(), _invoke_on_rref, packed, None, timeout)
+
+    if type_future.done():  # the type was known: send from the caller's thread, as rpc_async
+        try:
+            return send()
+        except BaseException as e:
+            failed: torch.futures.Future = torch.futures.Future()
+            set_error(failed, e)
+            return failed
+    result = UserFuture(_core.require_agent().transport)
+
+    def on_type(_: torch.futures.Future) -> None:
+        try:
+            call = send()
+        except BaseException as e:
+            set_error(result, e)
+            return
+        call.add_done_callback(functools.partial(_copy_outcome, result))
+
+    type_future.add_done_callback(on_type)
+    return result
+
+
+def _copy_outcome(into: torch.futures.Future, done: torch.futures.Future) -> None:
+    try:
+        into.set_result(done.wait())
+    except BaseException as e:
+        set_error(into, e)
 
 
 class RRef(Generic[T]):
@@ -315,21 +388,33 @@ class RRef(Generic[T]):
         return self._creation
 
     def _get_type(self, timeout: float = _core.UNSET_RPC_TIMEOUT, blocking: bool = True):
+        """The type of the value (a future of it with ``blocking=False``), as torch's.
+
+        On a user it is asked of the owner, which answers once the value is set, within
+        ``timeout``; it is remembered once known.
+        """
         timeout = _core.check_timeout(timeout)
         if self._user is None:
-            return type(self._entry.future.wait())
-        if self._user.type is None:
-            self._user.type = _core.wait(
-                _core.invoke(
-                    self._user.owner,
-                    _rref_type,
-                    (self._user.rref_id,),
-                    None,
-                    timeout,
-                    user_visible=False,
-                )
-            )
-        return self._user.type
+            value_type = type(self._entry.future.wait())
+            return value_type if blocking else _done_future(value_type)
+        state = self._user
+        if state.type is not None:
+            return state.type if blocking else _done_future(state.type)
+        future = _core.invoke(
+            state.owner, _rref_type, (state.rref_id,), None, timeout, user_visible=not blocking
+        )
+        if blocking:
+            state.type = _core.wait(future)
+            return state.type
+
+        def remember(f: torch.futures.Future) -> None:
+            try:
+                state.type = f.wait()
+            except Exception:  # the caller sees the error through the future
+                pass
+
+        future.add_done_callback(remember)
+        return future
 
     # -- proxies ----------------------------------------------------------------
 
@@ -403,7 +488,7 @@ class RRef(Generic[T]):
         else:
             pctx.on_send.append(
                 lambda: agent.send_one_way(
-                    owner.id, Kind.RREF_FORK, ForkChange(rref_id, fork_id, True)
+                    owner.id, Kind.RREF_FORK, ForkChange(rref_id, fork_id, True, pctx.dst_id)
                 )
             )
         return (_rebuild_rref, (owner, rref_id, fork_id, False))
