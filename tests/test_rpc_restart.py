@@ -8,6 +8,7 @@ stopped (the ``rpc_stopped`` fixture restarts it afterwards).
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -30,6 +31,10 @@ def record(tag):
     with _seen_lock:
         _seen.append(tag)
     return tag
+
+
+def fetch(rref):
+    return rref.to_here(timeout=10)
 
 
 def seen() -> list:
@@ -96,3 +101,32 @@ def test_autograd_and_rrefs_work_after_a_shutdown_that_did_not_wait(rpc_stopped)
         else:
             rpc.shutdown(graceful=False)
         world.barrier()
+
+
+def test_rref_of_a_shut_down_session_is_refused_in_the_next(rpc_stopped):
+    # RRef ids start again with each init_rpc: an RRef kept from a session that ended
+    # without deleting its users (graceful=False) names another value in the next one.
+    world = rpc_stopped
+    rpc.init_rpc()
+    old = rpc.remote(world.peer(), torch.add, (torch.ones(2), 1))
+    assert torch.equal(old.to_here(), torch.full((2,), 2.0))
+    world.barrier()
+    rpc.shutdown(graceful=False)
+    world.barrier()
+
+    rpc.init_rpc()
+    new = rpc.remote(world.peer(), torch.add, (torch.ones(2), 5))  # the same ids as ``old``
+    refused = "belongs to an RPC session that has been shut down"
+    with pytest.raises(RuntimeError, match=refused):
+        old.to_here()
+    with pytest.raises(RuntimeError, match=refused):
+        rpc.rpc_sync(world.peer(), torch.add, (old, 1))
+    with pytest.raises(RuntimeError, match=refused):
+        old.rpc_sync().size()
+    del old  # tells nobody: the fork it would delete is ``new``'s
+    gc.collect()
+    world.barrier()
+    assert torch.equal(rpc.rpc_sync(world.peer(), fetch, (new,)), torch.full((2,), 6.0))
+    assert torch.equal(new.to_here(timeout=10), torch.full((2,), 6.0))
+    world.barrier()
+    rpc.shutdown(timeout=SHUTDOWN_TIMEOUT_S)

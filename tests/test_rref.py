@@ -69,10 +69,10 @@ def alive(tag) -> int:
 
 def owner_table() -> dict:
     """The owner's table (for failure messages): rref id -> fork ids."""
-    from lightning_distgrad.rpc import rref as rref_module
+    from lightning_distgrad.rpc import _rref_context
 
     gc.collect()
-    return {k: sorted(e.forks) for k, e in list(rref_module._context.owners.items())}
+    return {k: sorted(e.forks) for k, e in list(_rref_context.current_context().owners.items())}
 
 
 def owner_rref_count() -> int:

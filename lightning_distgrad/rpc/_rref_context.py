@@ -274,6 +274,11 @@ def init_context(worker_id: int) -> RRefContext:
     return _context
 
 
+def current_context() -> RRefContext | None:
+    """The running session's bookkeeping (None when RPC is not running)."""
+    return _context
+
+
 def _require_context() -> RRefContext:
     _core.require_agent()
     assert _context is not None

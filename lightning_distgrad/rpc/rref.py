@@ -39,10 +39,12 @@ from ._errors import is_async_function, set_error, timeout_error
 from ._profiling import run_recorded
 from ._rref_context import (
     ForkChange,
+    RRefContext,
     _guid_str,
     _OwnerEntry,
     _require_context,
     _UserState,
+    current_context,
     received_fork,
 )
 from ._wire import Kind, current_pickling_context
@@ -198,7 +200,7 @@ def _proxy_async(rref: RRef, name: str, packed: tuple, timeout: float) -> torch.
             return send()
         except BaseException as e:
             failed: torch.futures.Future = torch.futures.Future()
-            set_error(failed, e)
+            _fail(failed, e)
             return failed
     result = UserFuture(_core.require_agent().transport)
 
@@ -206,7 +208,7 @@ def _proxy_async(rref: RRef, name: str, packed: tuple, timeout: float) -> torch.
         try:
             call = send()
         except BaseException as e:
-            set_error(result, e)
+            _fail(result, e)
             return
         call.add_done_callback(functools.partial(_copy_outcome, result))
 
@@ -218,7 +220,13 @@ def _copy_outcome(into: torch.futures.Future, done: torch.futures.Future) -> Non
     try:
         into.set_result(done.wait())
     except BaseException as e:
-        set_error(into, e)
+        _fail(into, e)
+
+
+def _fail(future: torch.futures.Future, error: BaseException) -> None:
+    # Without its traceback: the frames it holds reference ``future`` and the RRef, a
+    # cycle through the C++ future that would keep the value on its owner forever.
+    set_error(future, error.with_traceback(None))
 
 
 class RRef(Generic[T]):
@@ -245,27 +253,43 @@ class RRef(Generic[T]):
         >>> rpc.shutdown()
     """
 
-    __slots__ = ("_entry", "_user", "_creation", "__weakref__")
+    __slots__ = ("_entry", "_user", "_creation", "_context", "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None):
-        entry = _require_context().new_entry()
+        context = _require_context()
+        entry = context.new_entry()
         entry.future.set_result(value)
         self._entry: _OwnerEntry | None = entry
         self._user: _UserState | None = None
         self._creation: torch.futures.Future | None = None
+        self._context: RRefContext = context
 
     @classmethod
     def _from_entry(cls, entry: _OwnerEntry, creation=None) -> RRef:
         rref = cls.__new__(cls)
         rref._entry, rref._user, rref._creation = entry, None, creation
+        rref._context = _require_context()
         return rref
 
     @classmethod
     def _from_user(cls, state: _UserState) -> RRef:
         rref = cls.__new__(cls)
         rref._entry, rref._user, rref._creation = None, state, state.creation
-        _require_context().track_user(rref)
+        rref._context = _require_context()
+        rref._context.track_user(rref)
         return rref
+
+    def _live_context(self) -> RRefContext:
+        """The bookkeeping of this RRef's RPC session, which must still be running: ids
+        start again with each ``init_rpc``, so in a later session this RRef's ids would
+        name other values."""
+        context = _require_context()
+        if context is not self._context:
+            raise RuntimeError(
+                f"{self} belongs to an RPC session that has been shut down: an RRef cannot "
+                "be used after rpc.shutdown(), even once init_rpc has started RPC again"
+            )
+        return context
 
     # -- identity ---------------------------------------------------------------
 
@@ -333,6 +357,7 @@ class RRef(Generic[T]):
             raise RuntimeError(
                 f"{self} has been deleted. Cannot call to_here() on it after deletion."
             )
+        self._live_context()
         return run_recorded(self._to_here_span, self._fetch, timeout)
 
     def _to_here_span(self) -> tuple[str, None]:
@@ -397,6 +422,7 @@ class RRef(Generic[T]):
         if self._user is None:
             value_type = type(self._entry.future.wait())
             return value_type if blocking else _done_future(value_type)
+        self._live_context()
         state = self._user
         if state.type is not None:
             return state.type if blocking else _done_future(state.type)
@@ -442,6 +468,7 @@ class RRef(Generic[T]):
         if self._user is not None:
             if dist_autograd_ctx_id == -1:
                 raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
+            self._live_context()
             _core.wait(
                 _core.invoke(
                     self._user.owner,
@@ -470,7 +497,7 @@ class RRef(Generic[T]):
                 "Can not pickle rref in python pickler, rref can only be pickled when using RPC"
             )
         agent = _core.require_agent()
-        context = _require_context()
+        context = self._live_context()
         fork_id = context.new_guid()
         owner = self.owner()
         # A fork is registered only once its message is certain to be sent
@@ -518,7 +545,8 @@ class RRef(Generic[T]):
         if user is None or user.deleted:
             return
         agent = _core.current_agent()
-        if agent is not None:
+        # Only into its own session: a later one's owners know nothing of this fork.
+        if agent is not None and current_context() is self._context:
             try:
                 self._delete(agent, soon=True)
             except Exception:  # interpreter teardown: nothing left to tell
