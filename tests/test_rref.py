@@ -355,6 +355,8 @@ def test_rref_proxy_of_a_missing_method_raises_attribute_error(rpc_world):
     with pytest.raises(AttributeError, match="has no attribute 'non_exist'"):
         rref.rpc_sync().non_exist()
     assert rref.remote().add(1).to_here() == 2  # the RRef still works
+    del rref
+    settle(rpc_world)  # failed proxy calls keep nothing alive on the owner
 
 
 @pytest.mark.parametrize("mode", ["rpc_sync", "rpc_async", "remote"])
@@ -373,6 +375,8 @@ def test_rref_proxy_times_out_while_the_value_is_being_created(rpc_world, mode):
     elif mode == "remote":
         result = result.to_here()
     assert result == 3
+    del rref, proxy
+    settle(rpc_world)  # timed-out proxy calls keep nothing alive on the owner
 
 
 def test_rref_proxies_on_tensor_and_local_rref(rpc_world):
