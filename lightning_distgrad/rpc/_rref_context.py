@@ -8,18 +8,17 @@ arrival), and a request for a value may overtake the request that creates it
 A user that hands its RRef to another worker (the *child*) tells the owner
 first; the owner, once it has registered the child's fork, confirms it to the
 child (an RREF_CONFIRM frame). As in torch, a request whose arguments hold such
-forks runs once the owner has confirmed them (:func:`confirming_forks`), so
+forks runs once the owner has confirmed them (:func:`decode_confirmed`), so
 ``confirmed_by_owner()`` is True inside the function.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -237,32 +236,41 @@ def _on_fork_confirmed(source: int, body: ForkConfirmed, tensors: list) -> None:
 register_one_way(Kind.RREF_FORK, ForkChange, _on_fork_change)
 register_one_way(Kind.RREF_CONFIRM, ForkConfirmed, _on_fork_confirmed)
 
-_received = threading.local()
+
+class _ReceivedForks(threading.local):
+    """The forks awaiting confirmation that the request being decoded on this thread
+    carried (None: no request is being decoded here)."""
+
+    waits: list | None = None
+
+
+_received = _ReceivedForks()
 
 
 def received_fork(future: torch.futures.Future) -> None:
     """A fork awaiting its confirmation was unpickled: the request being decoded on this
-    thread (if any, see :func:`confirming_forks`) waits for ``future``."""
-    waits = getattr(_received, "waits", None)
+    thread (if any, see :func:`decode_confirmed`) waits for ``future``."""
+    waits = _received.waits
     if waits is not None:
         waits.append(future)
 
 
-@contextlib.contextmanager
-def confirming_forks() -> Iterator[None]:
-    """Decode a request inside: on leaving, wait (at most the RPC timeout) until the
-    owners confirmed the user RRefs it carried, as torch runs a request only then."""
-    outer = getattr(_received, "waits", None)
+def decode_confirmed(decode: Callable[..., Any], *args: Any) -> Any:
+    """``decode(*args)`` (a request's unpickling), then wait (at most the RPC timeout)
+    until the owners confirmed the user RRefs it carried: torch runs a request only then."""
+    outer = _received.waits
     _received.waits = waits = []
     try:
-        yield
+        result = decode(*args)
     finally:
         _received.waits = outer
-    agent = _core.current_agent()
-    if not waits or agent is None or agent.transport.is_progress_thread(threading.get_ident()):
-        return  # the polling thread must not wait: it delivers the confirmations
-    for future in waits:
-        agent.wait_done(future, agent.timeout)
+    if waits:
+        agent = _core.current_agent()
+        # The polling thread must not wait: it delivers the confirmations.
+        if agent is not None and not agent.transport.is_progress_thread(threading.get_ident()):
+            for future in waits:
+                agent.wait_done(future, agent.timeout)
+    return result
 
 
 _context: RRefContext | None = None

@@ -20,7 +20,7 @@ from .._compat import CFuture
 from . import _hooks
 from ._errors import is_async_function, not_importable, remote_error
 from ._profiling import Recorder, profiling_key, run_recorded
-from ._rref_context import confirming_forks
+from ._rref_context import decode_confirmed
 from ._transport import Transport
 from ._wire import Frame, Kind, decode_payload, encode_payload
 from ._worker_info import WorkerInfo
@@ -33,8 +33,8 @@ def _decode_and_call(payload: bytes, tensors: list, route: str) -> tuple[Callabl
     profiler the run is recorded as ``rpc_serve#<function>(<route>)``."""
     # Only the unpickling is wrapped: the function's own errors reach the caller as raised.
     try:
-        with confirming_forks():  # RRefs handed on by users: confirmed before the run
-            func, args, kwargs = decode_payload(payload, tensors)
+        # RRefs handed on by users are confirmed by their owners before the run.
+        func, args, kwargs = decode_confirmed(decode_payload, payload, tensors)
     except (ImportError, AttributeError) as e:
         raise not_importable(e) from e
     name = functools.partial(_serve_span, func, route)
