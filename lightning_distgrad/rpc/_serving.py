@@ -28,13 +28,20 @@ from ._worker_info import WorkerInfo
 log = logging.getLogger("lightning_distgrad.rpc")
 
 
-def _decode_and_call(payload: bytes, tensors: list, route: str) -> tuple[Callable, Any]:
+def _decode_and_call(
+    payload: bytes, tensors: list, route: str, confirm: bool = True
+) -> tuple[Callable, Any]:
     """Run a request's function; returns (function, result). Under an active torch
-    profiler the run is recorded as ``rpc_serve#<function>(<route>)``."""
+    profiler the run is recorded as ``rpc_serve#<function>(<route>)``. ``confirm``: RRefs
+    that users handed on are confirmed by their owners before the run (not for a
+    QUICK_REQUEST, an operator run by the thread that delivers frames, which must not
+    wait for one)."""
     # Only the unpickling is wrapped: the function's own errors reach the caller as raised.
     try:
-        # RRefs handed on by users are confirmed by their owners before the run.
-        func, args, kwargs = decode_confirmed(decode_payload, payload, tensors)
+        if confirm:
+            func, args, kwargs = decode_confirmed(decode_payload, payload, tensors)
+        else:
+            func, args, kwargs = decode_payload(payload, tensors)
     except (ImportError, AttributeError) as e:
         raise not_importable(e) from e
     name = functools.partial(_serve_span, func, route)
@@ -89,6 +96,7 @@ class Serving:
                 frame.payload,
                 tensors,
                 self._route(source),
+                frame.kind is not Kind.QUICK_REQUEST,
             ),
         )
 
@@ -149,7 +157,7 @@ class Serving:
         hooks (nothing to record, no context to switch: an operator makes no RPCs)."""
         try:
             _, result = _hooks.with_grad(
-                _decode_and_call, frame.payload, tensors, self._route(source)
+                _decode_and_call, frame.payload, tensors, self._route(source), False
             )
         except BaseException as e:
             self.reply_error(source, frame.call_id, e)
