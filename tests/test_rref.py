@@ -511,10 +511,28 @@ def test_user_rref_received_from_a_user_is_confirmed_when_its_function_runs(rpc_
     assert gated.to_here(timeout=10).value == 4
 
 
+def raise_value_error():
+    raise ValueError("creation failed on purpose")
+
+
 def test_rref_type(rpc_world):
     rref = rpc.remote(rpc_world.peer(), make_tracked, ("type", 1))
     assert rref._get_type() is Tracked
     assert rpc.RRef(3)._get_type() is int
+    # As torch's: the non-blocking form returns the one future of the answer, kept.
+    other = rpc.remote(rpc_world.peer(), torch.ones, (2,))
+    first = other._get_type(blocking=False)
+    assert first.wait() is torch.Tensor
+    assert other._get_type(blocking=False) is first and other._get_type() is torch.Tensor
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_rref_type_of_a_failed_creation_raises_its_error(rpc_world, blocking):
+    rref = rpc.remote(rpc_world.peer(), raise_value_error)
+    with pytest.raises(ValueError, match="creation failed on purpose"):
+        result = rref._get_type(blocking=blocking)
+        if not blocking:
+            result.wait()
 
 
 # ---------------------------------------------------------------------------

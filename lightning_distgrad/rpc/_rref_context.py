@@ -49,7 +49,15 @@ class _OwnerEntry:
 class _UserState:
     """What a user reference knows about its remote value."""
 
-    __slots__ = ("owner", "rref_id", "fork_id", "creation", "confirmed", "deleted", "type")
+    __slots__ = (
+        "owner",
+        "rref_id",
+        "fork_id",
+        "creation",
+        "confirmed",
+        "deleted",
+        "type_future",
+    )
 
     def __init__(
         self,
@@ -65,7 +73,7 @@ class _UserState:
         self.creation = creation
         self.confirmed = confirmed
         self.deleted = False
-        self.type = None
+        self.type_future: torch.futures.Future | None = None  # of the value's type
 
 
 class RRefContext:

@@ -106,10 +106,20 @@ def _rref_fetch(rref_id) -> torch.futures.Future:
 
 
 @async_execution
-def _rref_type(rref_id) -> torch.futures.Future:
+def _rref_typeof_on_owner(rref_id) -> torch.futures.Future:  # torch's name, as profiled
     # Answered when the value is set: a serving thread does not wait for a creation
-    # that is still running.
-    return _require_context().entry(rref_id).future.then(lambda f: type(f.wait()))
+    # that is still running. A failed creation answers with its own error.
+    value = _require_context().entry(rref_id).future
+    value_type: torch.futures.Future = torch.futures.Future()
+
+    def answer(f: torch.futures.Future) -> None:
+        try:
+            value_type.set_result(type(f.wait()))
+        except BaseException as e:
+            _fail(value_type, e)
+
+    value.add_done_callback(answer)
+    return value_type
 
 
 @async_execution
@@ -416,7 +426,8 @@ class RRef(Generic[T]):
         """The type of the value (a future of it with ``blocking=False``), as torch's.
 
         On a user it is asked of the owner, which answers once the value is set, within
-        ``timeout``; it is remembered once known.
+        ``timeout``; the answer is kept (``blocking=False`` returns the same future each
+        time), a failed one is not.
         """
         timeout = _core.check_timeout(timeout)
         if self._user is None:
@@ -424,23 +435,28 @@ class RRef(Generic[T]):
             return value_type if blocking else _done_future(value_type)
         self._live_context()
         state = self._user
-        if state.type is not None:
-            return state.type if blocking else _done_future(state.type)
-        future = _core.invoke(
-            state.owner, _rref_type, (state.rref_id,), None, timeout, user_visible=not blocking
-        )
-        if blocking:
-            state.type = _core.wait(future)
-            return state.type
+        future = state.type_future
+        if future is None:
+            future = _core.invoke(
+                state.owner,
+                _rref_typeof_on_owner,
+                (state.rref_id,),
+                None,
+                timeout,
+                user_visible=not blocking,
+                profile="async",
+            )
+            state.type_future = future
 
-        def remember(f: torch.futures.Future) -> None:
-            try:
-                state.type = f.wait()
-            except Exception:  # the caller sees the error through the future
-                pass
+            def forget_failure(f: torch.futures.Future) -> None:
+                try:
+                    f.wait()
+                except Exception:  # a later call asks again (the value may exist by then)
+                    if state.type_future is f:
+                        state.type_future = None
 
-        future.add_done_callback(remember)
-        return future
+            future.add_done_callback(forget_failure)
+        return _core.wait(future) if blocking else future
 
     # -- proxies ----------------------------------------------------------------
 
