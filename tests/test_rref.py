@@ -511,6 +511,21 @@ def test_user_rref_received_from_a_user_is_confirmed_when_its_function_runs(rpc_
     assert gated.to_here(timeout=10).value == 4
 
 
+def test_user_of_a_timed_out_creation_is_no_longer_pending(rpc_world):
+    tag = ("creation-timeout", rpc_world.rank)
+    rref = rpc.remote(rpc_world.peer(), make_tracked_when_opened, (tag, 1), timeout=0.05)
+    with pytest.raises(RuntimeError, match="RPC ran for more than set timeout"):
+        rref._get_future().wait()
+    assert not rref.confirmed_by_owner()
+    # As torch's: it will never be confirmed, so nothing waits for it.
+    assert rpc._rref_context_get_debug_info()["num_pending_users"] == 0
+    with pytest.raises(RuntimeError, match="RRef creation via rpc.remote\\(\\) timed out"):
+        rref.to_here()
+    rpc.rpc_sync(rpc_world.peer(), open_gate, (tag,))
+    del rref
+    settle(rpc_world)
+
+
 def raise_value_error():
     raise ValueError("creation failed on purpose")
 

@@ -202,7 +202,8 @@ class RRefContext:
         return {
             "num_owner_rrefs": len(entries),
             "num_pending_futures": sum(not e.future.done() for e in entries),
-            "num_pending_users": sum(not r._user.confirmed for r in users),
+            # As torch's: a user whose creation failed (or timed out) is no longer pending.
+            "num_pending_users": sum(_pending_user(r._user) for r in users),
             "num_forks": sum(len(e.forks) for e in entries),
         }
 
@@ -210,6 +211,21 @@ class RRefContext:
         """Register the forks a frame carries, before it or any later frame runs."""
         for rref_id, fork_id in forks:
             self.add_fork(rref_id, fork_id)
+
+
+def _pending_user(state: _UserState) -> bool:
+    """Whether a user reference still waits for its owner's confirmation."""
+    if state.confirmed:
+        return False
+    creation = state.creation
+    if creation is None or not creation.done():
+        return True
+    try:
+        creation.wait()
+    except Exception:  # failed: it will never be confirmed
+        return False
+    state.confirmed = True
+    return False
 
 
 class ForkChange(NamedTuple):
