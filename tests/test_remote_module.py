@@ -37,6 +37,9 @@ class MyModule(nn.Module):
     def forward(self, tensor, number, word="default"):
         return word, number, tensor
 
+    def is_training(self):
+        return self.training
+
 
 class BadModule:
     def __init__(self, first_arg, first_kwarg=-1):
@@ -339,9 +342,8 @@ def test_send_remote_module_over_the_wire(rpc_world):
     owner, third = rpc_world.peer(1), rpc_world.peer(2)
     m = _create(f"{owner}/cpu")
     attrs = rpc.rpc_sync(third, remote_module_attributes, (m,))
-    installed = {"forward_async", "forward"}
-    base = set(vars(nn.Module()))  # a fresh, empty nn.Module state on the receiver
-    assert set(attrs) == set(_REMOTE_MODULE_PICKLED_ATTRIBUTES) | installed | base
+    # As torch's: exactly the pickled attributes, then the installed methods.
+    assert list(attrs) == [*_REMOTE_MODULE_PICKLED_ATTRIBUTES, "forward_async", "forward"]
     fields = rpc.rpc_sync(third, remote_module_fields, (m,))
     assert fields == {
         "on": owner,
@@ -379,13 +381,23 @@ def test_create_remote_module_from_module_rref(rpc_world):
     assert rpc.rpc_sync(third, remote_forward, (local, ARGS)) == tuple(reversed(ARGS))
 
 
-def test_init_from_module_rref_checks_the_owner(rpc_world):
-    m = _create(rpc_world.peer(1))
-    wrong = rpc_world.name  # never the owner: peer(1) != self for >= 2 ranks
-    with pytest.raises(
-        ValueError, match=f"names worker {wrong}, but module_rref is owned by {rpc_world.peer(1)}"
-    ):
-        RemoteModule.init_from_module_rref(wrong, m.get_module_rref())
+def test_init_from_module_rref_on_another_worker_uses_the_owner(rpc_world):
+    # As torch's: a remote_device that names a worker other than the module's owner is
+    # accepted (torch's own test names the worker that calls it); every call reaches
+    # the module where it lives.
+    owner = rpc_world.peer(1)
+    m = _create(owner)
+    here = RemoteModule.init_from_module_rref(rpc_world.name, m.get_module_rref())
+    assert here.on == rpc_world.name and here.get_module_rref().owner().name == owner
+    assert here.forward(*ARGS) == tuple(reversed(ARGS))
+    assert here.forward_async(*ARGS).wait() == tuple(reversed(ARGS))
+    [param] = [p.to_here() for p in here.remote_parameters()]
+    assert torch.equal(param, torch.ones(1))
+    assert sorted(here.remote_state_dict()) == ["param1"]
+    here.eval()
+    assert not m.get_module_rref().rpc_sync().is_training()
+    here.train()
+    assert m.get_module_rref().rpc_sync().is_training()
     with pytest.raises(TypeError, match="module_rref must be an RRef"):
         RemoteModule.init_from_module_rref(rpc_world.peer(1), m)
 

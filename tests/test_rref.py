@@ -69,10 +69,10 @@ def alive(tag) -> int:
 
 def owner_table() -> dict:
     """The owner's table (for failure messages): rref id -> fork ids."""
-    from lightning_distgrad.rpc import rref as rref_module
+    from lightning_distgrad.rpc import _rref_context
 
     gc.collect()
-    return {k: sorted(e.forks) for k, e in list(rref_module._context.owners.items())}
+    return {k: sorted(e.forks) for k, e in list(_rref_context.current_context().owners.items())}
 
 
 def owner_rref_count() -> int:
@@ -153,6 +153,25 @@ def fetch_soon(rref):
 
 def get_through_proxy(rref):
     return rref.rpc_sync(timeout=10).get()
+
+
+_GATES: dict = {}
+_GATES_LOCK = threading.Lock()
+
+
+def _gate(tag) -> threading.Event:
+    with _GATES_LOCK:
+        return _GATES.setdefault(tag, threading.Event())
+
+
+def make_tracked_when_opened(tag, value):
+    """A creation that runs until :func:`open_gate` (bounded: a lost open fails the test)."""
+    assert _gate(tag).wait(SETTLE_TIMEOUT_S), "the gate was never opened"
+    return Tracked(tag, value)
+
+
+def open_gate(tag) -> None:
+    _gate(tag).set()
 
 
 def fetch_and_drop(rref):
@@ -326,6 +345,40 @@ def test_rref_proxies_run_methods_on_the_owner(rpc_world):
         rref.rpc_sync().non_exist()
 
 
+def test_rref_proxy_of_a_missing_method_raises_attribute_error(rpc_world):
+    # As torch: every proxy looks the method up on the value's type first.
+    rref = rpc.remote(rpc_world.peer(), make_tracked, ("missing", 1))
+    with pytest.raises(AttributeError, match="has no attribute 'non_exist'"):
+        rref.remote().non_exist()
+    with pytest.raises(AttributeError, match="has no attribute 'non_exist'"):
+        rref.rpc_async().non_exist().wait()
+    with pytest.raises(AttributeError, match="has no attribute 'non_exist'"):
+        rref.rpc_sync().non_exist()
+    assert rref.remote().add(1).to_here() == 2  # the RRef still works
+    del rref
+    settle(rpc_world)  # failed proxy calls keep nothing alive on the owner
+
+
+@pytest.mark.parametrize("mode", ["rpc_sync", "rpc_async", "remote"])
+def test_rref_proxy_times_out_while_the_value_is_being_created(rpc_world, mode):
+    tag = ("gated", mode, rpc_world.rank)
+    rref = rpc.remote(rpc_world.peer(), make_tracked_when_opened, (tag, 3))
+    proxy = getattr(rref, mode)(timeout=0.05)
+    with pytest.raises(RuntimeError, match="RPC ran for more than set timeout"):
+        result = proxy.add(1)
+        if mode == "rpc_async":
+            result.wait()
+    rpc.rpc_sync(rpc_world.peer(), open_gate, (tag,))
+    result = getattr(rref, mode)(timeout=10).get()  # the value exists now
+    if mode == "rpc_async":
+        result = result.wait()
+    elif mode == "remote":
+        result = result.to_here()
+    assert result == 3
+    del rref, proxy
+    settle(rpc_world)  # timed-out proxy calls keep nothing alive on the owner
+
+
 def test_rref_proxies_on_tensor_and_local_rref(rpc_world):
     tensor_rref = rpc.remote(rpc_world.peer(), torch.ones, (2, 3))
     assert tensor_rref.rpc_sync().size() == torch.Size([2, 3])
@@ -441,10 +494,60 @@ def test_rrefs_are_confirmed_by_owner(rpc_world):
     assert rpc.rpc_sync(rpc_world.peer(), confirmed, (rpc.RRef(1),))
 
 
+def test_user_rref_received_from_a_user_is_confirmed_when_its_function_runs(rpc_world):
+    # The creator hands its RRef to a worker other than the owner (itself on 2 ranks):
+    # as in torch, the function runs once the owner has confirmed that fork.
+    owner, receiver = rpc_world.peer(1), rpc_world.peer(2)
+    rref = rpc.remote(owner, torch.add, (torch.zeros(2), 1))
+    assert rpc.rpc_sync(receiver, confirmed, (rref,))
+    assert rpc.remote(receiver, confirmed, (rref,)).to_here()
+    assert rpc.rpc_async(receiver, fetch, (rref,)).wait().tolist() == [1.0, 1.0]
+    # A fork received before its creation finished is confirmed too.
+    tag = ("confirm-gated", rpc_world.rank)
+    gated = rpc.remote(owner, make_tracked_when_opened, (tag, 4))
+    pending = rpc.rpc_async(receiver, confirmed, (gated,))
+    rpc.rpc_sync(owner, open_gate, (tag,))
+    assert pending.wait()
+    assert gated.to_here(timeout=10).value == 4
+
+
+def test_user_of_a_timed_out_creation_is_no_longer_pending(rpc_world):
+    tag = ("creation-timeout", rpc_world.rank)
+    rref = rpc.remote(rpc_world.peer(), make_tracked_when_opened, (tag, 1), timeout=0.05)
+    with pytest.raises(RuntimeError, match="RPC ran for more than set timeout"):
+        rref._get_future().wait()
+    assert not rref.confirmed_by_owner()
+    # As torch's: it will never be confirmed, so nothing waits for it.
+    assert rpc._rref_context_get_debug_info()["num_pending_users"] == 0
+    with pytest.raises(RuntimeError, match="RRef creation via rpc.remote\\(\\) timed out"):
+        rref.to_here()
+    rpc.rpc_sync(rpc_world.peer(), open_gate, (tag,))
+    del rref
+    settle(rpc_world)
+
+
+def raise_value_error():
+    raise ValueError("creation failed on purpose")
+
+
 def test_rref_type(rpc_world):
     rref = rpc.remote(rpc_world.peer(), make_tracked, ("type", 1))
     assert rref._get_type() is Tracked
     assert rpc.RRef(3)._get_type() is int
+    # As torch's: the non-blocking form returns the one future of the answer, kept.
+    other = rpc.remote(rpc_world.peer(), torch.ones, (2,))
+    first = other._get_type(blocking=False)
+    assert first.wait() is torch.Tensor
+    assert other._get_type(blocking=False) is first and other._get_type() is torch.Tensor
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_rref_type_of_a_failed_creation_raises_its_error(rpc_world, blocking):
+    rref = rpc.remote(rpc_world.peer(), raise_value_error)
+    with pytest.raises(ValueError, match="creation failed on purpose"):
+        result = rref._get_type(blocking=blocking)
+        if not blocking:
+            result.wait()
 
 
 # ---------------------------------------------------------------------------

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from .. import rpc
-from ..rpc import _core
 from ..rpc._wire import current_pickling_context
 from ._remote_device import has_device_map, parse_remote_device, resolve_worker
 
@@ -41,7 +40,10 @@ _SerializedRemoteModule = collections.namedtuple(  # type: ignore[misc]
 
 #: Attributes that are rebuilt on the receiver instead: ``nn.Module``'s own
 #: state (fresh and empty there) and the installed ``forward``/``forward_async``.
-_REMOTE_MODULE_ATTRIBUTES_IGNORE_FOR_PICKLING = frozenset(vars(nn.Module())) | {
+#: ``nn.Module``'s own per-instance state (``training``, parameter tables, hooks).
+_MODULE_STATE = frozenset(vars(nn.Module()))
+
+_REMOTE_MODULE_ATTRIBUTES_IGNORE_FOR_PICKLING = _MODULE_STATE | {
     "forward_async",
     "forward",
 }
@@ -273,8 +275,9 @@ class RemoteModule(nn.Module):
         send ``remote_module.get_module_rref()`` over RPC and call this there.
 
         Args:
-            remote_device (str): as for :class:`RemoteModule`; must name the
-                worker that owns ``module_rref``.
+            remote_device (str): as for :class:`RemoteModule`: where inputs are moved
+                to (its device). As torch's, it is not checked against the owner of
+                ``module_rref``: every call goes to that owner.
             module_rref (RRef[nn.Module]): the module to wrap.
             _module_interface_cls: TorchScript interfaces are not supported; must be None.
 
@@ -296,12 +299,6 @@ class RemoteModule(nn.Module):
         remote_module = object.__new__(RemoteModule)
         nn.Module.__init__(remote_module)
         remote_module._prepare_init(remote_device)
-        owner = module_rref.owner()
-        if remote_module._worker_name != owner.name:
-            raise ValueError(
-                f"init_from_module_rref: remote_device {remote_device!r} names worker "
-                f"{remote_module._worker_name}, but module_rref is owned by {owner.name}"
-            )
         remote_module.is_scriptable = False
         remote_module.generated_methods = _GENERATED_METHODS
         remote_module.module_rref = module_rref
@@ -314,9 +311,14 @@ class RemoteModule(nn.Module):
         self.on, name = resolve_worker(on, remote_device)
         self.is_device_map_set = has_device_map(name)
 
-    @property
-    def _worker_name(self) -> str:
-        return _core.resolve(_core.require_agent(), self.on).name
+    def __getattr__(self, name: str) -> Any:
+        # A RemoteModule received over RPC holds only its pickled attributes, as torch's
+        # (its ``__dict__`` is exactly what was sent); nn.Module's own state, which
+        # calling it needs, is made on first use.
+        if name in _MODULE_STATE and "_parameters" not in self.__dict__:
+            nn.Module.__init__(self)
+            return getattr(self, name)
+        return super().__getattr__(name)
 
     def _check_attribute_picklability(self) -> None:
         for k in self.__dict__:
@@ -344,7 +346,7 @@ class RemoteModule(nn.Module):
             >>> # xdoctest: +SKIP
             >>> opt = DistributedOptimizer(torch.optim.SGD, remote.remote_parameters(), lr=0.1)
         """
-        return rpc.rpc_sync(self.on, _param_rrefs, (self.module_rref, recurse))
+        return rpc.rpc_sync(self.module_rref.owner(), _param_rrefs, (self.module_rref, recurse))
 
     def get_module_rref(self) -> rpc.RRef:
         r"""The :class:`~lightning_distgrad.rpc.RRef` to the remote ``nn.Module``.
@@ -368,7 +370,7 @@ class RemoteModule(nn.Module):
             >>> sorted(remote.remote_state_dict())
             ['bias', 'weight']
         """
-        return rpc.rpc_sync(self.on, _module_state_dict, (self.module_rref,))
+        return rpc.rpc_sync(self.module_rref.owner(), _module_state_dict, (self.module_rref,))
 
     def load_remote_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
         r"""Load ``state_dict`` into the remote module (``nn.Module.load_state_dict`` there).
@@ -386,7 +388,9 @@ class RemoteModule(nn.Module):
             <All keys matched successfully>
         """
         return rpc.rpc_sync(
-            self.on, _module_load_state_dict, (self.module_rref, state_dict, strict)
+            self.module_rref.owner(),
+            _module_load_state_dict,
+            (self.module_rref, state_dict, strict),
         )
 
     def train(self, mode: bool = True) -> RemoteModule:
@@ -399,7 +403,7 @@ class RemoteModule(nn.Module):
             >>> remote.train()
             RemoteModule(on='worker1', device='cpu')
         """
-        rpc.rpc_sync(self.on, _set_training, (self.module_rref, bool(mode)))
+        rpc.rpc_sync(self.module_rref.owner(), _set_training, (self.module_rref, bool(mode)))
         self.training = bool(mode)
         return self
 
@@ -466,10 +470,10 @@ for _name in _UNSUPPORTED_METHODS:
 
 
 def _remote_module_receiver(*remote_module_pickled_attrs: Any) -> RemoteModule:
-    """Rebuild a RemoteModule sent over RPC: a fresh ``nn.Module`` plus the pickled attributes."""
+    """Rebuild a RemoteModule sent over RPC from its pickled attributes (nn.Module's own
+    state is made on first use, see ``RemoteModule.__getattr__``)."""
     serialized = _SerializedRemoteModule._make(remote_module_pickled_attrs)
     m = object.__new__(RemoteModule)
-    nn.Module.__init__(m)
     m.__dict__.update(serialized._asdict())
     _install_generated_methods(m)
     return m

@@ -486,12 +486,14 @@ class Agent:
                 missing = [r for r in missing if r not in self._joined]
             return missing
 
-    def stop(self, wait: bool = True, flush_timeout: float = 5.0) -> None:
-        """Stop threads and free communicators; ``wait``: for running handlers too."""
+    def stop(self, wait: bool = True, flush_timeout: float = 5.0, drained: bool = False) -> None:
+        """Stop threads and free communicators; ``wait``: for running handlers too;
+        ``drained``: every rank's frames were all handled (a graceful shutdown), so
+        nothing can still arrive on the communicators (see ``Transport.free``)."""
         self._pool.shutdown(wait=wait, cancel_futures=True)
         self._callbacks.shutdown(wait=wait, cancel_futures=True)
         self.transport.stop(flush_timeout)
-        self.transport.free()
+        self.transport.free(drained)
         for pending in list(self._pending.values()):
             set_error(pending.future, RuntimeError("RPC agent shut down before a response"))
         self._pending.clear()

@@ -5,13 +5,16 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._compat import find_builtin
-from ._agent import Agent, WorkerInfo
 from ._profiling import profiling_key, recording
+from ._worker_info import WorkerInfo
+
+if TYPE_CHECKING:  # the agent's module imports the request side, which needs this one
+    from ._agent import Agent
 
 #: Sentinel meaning "use the agent's default timeout" (torch uses -1.0 too).
 UNSET_RPC_TIMEOUT = -1.0

@@ -4,6 +4,12 @@ Fork messages from different workers reach an owner in any order: a fork's
 delete may overtake its registration (then the registration is dropped on
 arrival), and a request for a value may overtake the request that creates it
 (then the owner keeps the awaited entry until the value is set).
+
+A user that hands its RRef to another worker (the *child*) tells the owner
+first; the owner, once it has registered the child's fork, confirms it to the
+child (an RREF_CONFIRM frame). As in torch, a request whose arguments hold such
+forks runs once the owner has confirmed them (:func:`decode_confirmed`), so
+``confirmed_by_owner()`` is True inside the function.
 """
 
 from __future__ import annotations
@@ -11,14 +17,15 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from . import _core
-from ._agent import WorkerInfo
 from ._one_way import register_one_way
 from ._wire import Kind
+from ._worker_info import WorkerInfo
 
 if TYPE_CHECKING:
     from .rref import RRef
@@ -42,7 +49,15 @@ class _OwnerEntry:
 class _UserState:
     """What a user reference knows about its remote value."""
 
-    __slots__ = ("owner", "rref_id", "fork_id", "creation", "confirmed", "deleted", "type")
+    __slots__ = (
+        "owner",
+        "rref_id",
+        "fork_id",
+        "creation",
+        "confirmed",
+        "deleted",
+        "type_future",
+    )
 
     def __init__(
         self,
@@ -58,7 +73,7 @@ class _UserState:
         self.creation = creation
         self.confirmed = confirmed
         self.deleted = False
-        self.type = None
+        self.type_future: torch.futures.Future | None = None  # of the value's type
 
 
 class RRefContext:
@@ -74,6 +89,10 @@ class RRefContext:
         self._awaited: dict[tuple, _OwnerEntry] = {}
         self._early_deletes: set[tuple] = set()
         self._users: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # Forks received from a user that await the owner's confirmation, by fork id,
+        # and confirmations that came before their fork.
+        self._unconfirmed: dict[tuple, tuple[_UserState, torch.futures.Future]] = {}
+        self._confirmed_early: set[tuple] = set()
 
     def new_guid(self) -> tuple[int, int]:
         return (self.worker_id, next(self._ids))
@@ -104,18 +123,20 @@ class RRefContext:
         with self._lock:
             self._awaited.pop(entry.rref_id, None)
 
-    def add_fork(self, rref_id, fork_id) -> None:
+    def add_fork(self, rref_id, fork_id) -> bool:
+        """Register a fork; False if its delete came first (it is gone already)."""
         key = (rref_id, fork_id)
         with self._lock:
             if key in self._early_deletes:
                 self._early_deletes.discard(key)
-                return
+                return False
             entry = self.owners.get(rref_id) or self._local.get(rref_id)
             if entry is None:
                 entry = _OwnerEntry(rref_id)
                 self._local[rref_id] = entry
             entry.forks.add(fork_id)
             self.owners[rref_id] = entry
+            return True
 
     def del_fork(self, rref_id, fork_id) -> None:
         with self._lock:
@@ -142,6 +163,29 @@ class RRefContext:
                 del self.owners[rref_id]
             return entry
 
+    def await_confirmation(self, state: _UserState) -> torch.futures.Future | None:
+        """A fork received from a user: the future its owner's confirmation completes
+        (None if that came first, and ``state`` is confirmed now)."""
+        with self._lock:
+            if state.fork_id in self._confirmed_early:
+                self._confirmed_early.discard(state.fork_id)
+                state.confirmed = True
+                return None
+            future: torch.futures.Future = torch.futures.Future()
+            self._unconfirmed[state.fork_id] = (state, future)
+            return future
+
+    def confirm(self, fork_id) -> None:
+        """The owner has registered fork ``fork_id`` of this worker."""
+        with self._lock:
+            pending = self._unconfirmed.pop(fork_id, None)
+            if pending is None:
+                self._confirmed_early.add(fork_id)
+                return
+        state, future = pending
+        state.confirmed = True
+        future.set_result(None)
+
     def track_user(self, rref: RRef) -> None:
         self._users[rref._user.fork_id] = rref
 
@@ -158,7 +202,8 @@ class RRefContext:
         return {
             "num_owner_rrefs": len(entries),
             "num_pending_futures": sum(not e.future.done() for e in entries),
-            "num_pending_users": sum(not r._user.confirmed for r in users),
+            # As torch's: a user whose creation failed (or timed out) is no longer pending.
+            "num_pending_users": sum(_pending_user(r._user) for r in users),
             "num_forks": sum(len(e.forks) for e in entries),
         }
 
@@ -168,23 +213,88 @@ class RRefContext:
             self.add_fork(rref_id, fork_id)
 
 
+def _pending_user(state: _UserState) -> bool:
+    """Whether a user reference still waits for its owner's confirmation."""
+    if state.confirmed:
+        return False
+    creation = state.creation
+    if creation is None or not creation.done():
+        return True
+    try:
+        creation.wait()
+    except Exception:  # failed: it will never be confirmed
+        return False
+    state.confirmed = True
+    return False
+
+
 class ForkChange(NamedTuple):
-    """RREF_FORK body: a user fork of one of this worker's RRefs was added or deleted."""
+    """RREF_FORK body: a user fork of one of this worker's RRefs was added or deleted;
+    ``child``: the worker an added fork was sent to, which the owner confirms it to."""
 
     rref_id: tuple
     fork_id: tuple
     added: bool
+    child: int = -1
+
+
+class ForkConfirmed(NamedTuple):
+    """RREF_CONFIRM body: the owner has registered this fork of the receiver's."""
+
+    fork_id: tuple
 
 
 def _on_fork_change(source: int, body: ForkChange, tensors: list) -> None:
     context = _require_context()
-    if body.added:
-        context.add_fork(body.rref_id, body.fork_id)
-    else:
+    if not body.added:
         context.del_fork(body.rref_id, body.fork_id)
+    elif context.add_fork(body.rref_id, body.fork_id) and body.child >= 0:
+        agent = _core.require_agent()
+        agent.send_one_way(body.child, Kind.RREF_CONFIRM, ForkConfirmed(body.fork_id))
+
+
+def _on_fork_confirmed(source: int, body: ForkConfirmed, tensors: list) -> None:
+    _require_context().confirm(body.fork_id)
 
 
 register_one_way(Kind.RREF_FORK, ForkChange, _on_fork_change)
+register_one_way(Kind.RREF_CONFIRM, ForkConfirmed, _on_fork_confirmed)
+
+
+class _ReceivedForks(threading.local):
+    """The forks awaiting confirmation that the request being decoded on this thread
+    carried (None: no request is being decoded here)."""
+
+    waits: list | None = None
+
+
+_received = _ReceivedForks()
+
+
+def received_fork(future: torch.futures.Future) -> None:
+    """A fork awaiting its confirmation was unpickled: the request being decoded on this
+    thread (if any, see :func:`decode_confirmed`) waits for ``future``."""
+    waits = _received.waits
+    if waits is not None:
+        waits.append(future)
+
+
+def decode_confirmed(decode: Callable[..., Any], *args: Any) -> Any:
+    """``decode(*args)`` (a request's unpickling), then wait (at most the RPC timeout)
+    until the owners confirmed the user RRefs it carried: torch runs a request only then."""
+    outer = _received.waits
+    _received.waits = waits = []
+    try:
+        result = decode(*args)
+    finally:
+        _received.waits = outer
+    if waits:
+        agent = _core.current_agent()
+        # The polling thread must not wait: it delivers the confirmations.
+        if agent is not None and not agent.transport.is_progress_thread(threading.get_ident()):
+            for future in waits:
+                agent.wait_done(future, agent.timeout)
+    return result
 
 
 _context: RRefContext | None = None
@@ -193,6 +303,11 @@ _context: RRefContext | None = None
 def init_context(worker_id: int) -> RRefContext:
     global _context
     _context = RRefContext(worker_id)
+    return _context
+
+
+def current_context() -> RRefContext | None:
+    """The running session's bookkeeping (None when RPC is not running)."""
     return _context
 
 

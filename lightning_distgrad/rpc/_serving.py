@@ -21,6 +21,7 @@ from . import _hooks, _server_profiler
 from ._errors import is_async_function, not_importable, remote_error
 from ._profiling import profiling_key, run_recorded
 from ._remote_events import Recorder, recording_for_caller, split_profiled_request_body
+from ._rref_context import decode_confirmed
 from ._transport import Transport
 from ._wire import Frame, Kind, decode_payload, encode_payload
 from ._worker_info import WorkerInfo
@@ -28,12 +29,20 @@ from ._worker_info import WorkerInfo
 log = logging.getLogger("lightning_distgrad.rpc")
 
 
-def _decode_and_call(payload: bytes, tensors: list, route: str) -> tuple[Callable, Any]:
+def _decode_and_call(
+    payload: bytes, tensors: list, route: str, confirm: bool = True
+) -> tuple[Callable, Any]:
     """Run a request's function; returns (function, result). Under an active torch
-    profiler the run is recorded as ``rpc_serve#<function>(<route>)``."""
+    profiler the run is recorded as ``rpc_serve#<function>(<route>)``. ``confirm``: RRefs
+    that users handed on are confirmed by their owners before the run (not for a
+    QUICK_REQUEST, an operator run by the thread that delivers frames, which must not
+    wait for one)."""
     # Only the unpickling is wrapped: the function's own errors reach the caller as raised.
     try:
-        func, args, kwargs = decode_payload(payload, tensors)
+        if confirm:
+            func, args, kwargs = decode_confirmed(decode_payload, payload, tensors)
+        else:
+            func, args, kwargs = decode_payload(payload, tensors)
     except (ImportError, AttributeError) as e:
         raise not_importable(e) from e
     name = functools.partial(_serve_span, func, route)
@@ -91,6 +100,7 @@ class Serving:
                 frame.payload,
                 tensors,
                 self._route(source),
+                frame.kind is not Kind.QUICK_REQUEST,
             ),
         )
 
@@ -156,7 +166,7 @@ class Serving:
         """A torch operator with no autograd context: :meth:`run_request` minus the
         hooks (nothing to record, no context to switch: an operator makes no RPCs)."""
         try:
-            args = (_decode_and_call, frame.payload, tensors, self._route(source))
+            args = (_decode_and_call, frame.payload, tensors, self._route(source), False)
             if _server_profiler.ranges:
                 _, result = _server_profiler.run_profiled(_hooks.with_grad, *args)
             else:

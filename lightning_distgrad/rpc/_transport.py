@@ -103,6 +103,11 @@ def _default_modes() -> Iterator[None]:
         yield
 
 
+#: Communicators of stopped transports that may still receive stale messages (see
+#: :meth:`Transport.free`): kept for the life of the process.
+_UNDRAINED_COMMS: list[MPI.Comm] = []
+
+
 class Transport:
     """Moves frames and tensors between ranks of ``comm``.
 
@@ -298,9 +303,21 @@ class Transport:
         self._bell.ring_self()
         self._thread.join()
 
-    def free(self) -> None:
-        for comm in (self.ctrl, self.data, self.push, self.coll):
-            comm.Free()
+    def free(self, drained: bool = True) -> None:
+        """Release the communicators; ``drained``: no frame can still be in flight to or
+        from this rank on them (a graceful shutdown made sure of it).
+
+        Otherwise they are kept, never freed: MPI reuses a freed communicator's context
+        id for the next ``Dup``, and messages still arriving for the old one (a peer's
+        requests after a ``shutdown(graceful=False)``, a timed-out collective) would be
+        received by the next ``init_rpc``'s agent as its own.
+        """
+        comms = (self.ctrl, self.data, self.push, self.coll)
+        if drained:
+            for comm in comms:
+                comm.Free()
+        else:
+            _UNDRAINED_COMMS.extend(comms)
         self._bell.close()
 
     # -- polling ----------------------------------------------------------------

@@ -89,6 +89,7 @@ class Kind(enum.IntEnum):
     JOIN = 7  # graceful shutdown: the sender has called shutdown
     PROFILED_REQUEST = 8  # a REQUEST whose caller profiles: its callee records the run
     REMOTE_EVENTS = 9  # what the callee recorded of a PROFILED_REQUEST, sent before its RESPONSE
+    RREF_CONFIRM = 10  # RRef bookkeeping: the owner registered the receiver's fork
 
 
 #: Kinds that are answered by a RESPONSE (a malformed one is answered with an error).

@@ -229,7 +229,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             finished = True
     finally:
         _core.set_agent(None)
-        agent.stop(wait=finished)
+        agent.stop(wait=finished, drained=graceful and finished)
         _hooks.get().on_shutdown()
 
 

@@ -34,9 +34,19 @@ import torch
 from .._compat import CFuture
 from . import _core, _hooks
 from ._agent import WorkerInfo
+from ._calls import UserFuture
 from ._errors import is_async_function, set_error, timeout_error
 from ._profiling import run_recorded
-from ._rref_context import ForkChange, _guid_str, _OwnerEntry, _require_context, _UserState
+from ._rref_context import (
+    ForkChange,
+    RRefContext,
+    _guid_str,
+    _OwnerEntry,
+    _require_context,
+    _UserState,
+    current_context,
+    received_fork,
+)
 from ._wire import Kind, current_pickling_context
 from .functions import async_execution
 
@@ -95,8 +105,21 @@ def _rref_fetch(rref_id) -> torch.futures.Future:
     return _require_context().entry(rref_id).future
 
 
-def _rref_type(rref_id) -> type:
-    return type(_require_context().entry(rref_id).future.wait())
+@async_execution
+def _rref_typeof_on_owner(rref_id) -> torch.futures.Future:  # torch's name, as profiled
+    # Answered when the value is set: a serving thread does not wait for a creation
+    # that is still running. A failed creation answers with its own error.
+    value = _require_context().entry(rref_id).future
+    value_type: torch.futures.Future = torch.futures.Future()
+
+    def answer(f: torch.futures.Future) -> None:
+        try:
+            value_type.set_result(type(f.wait()))
+        except BaseException as e:
+            _fail(value_type, e)
+
+    value.add_done_callback(answer)
+    return value_type
 
 
 @async_execution
@@ -118,14 +141,37 @@ def _rebuild_rref(owner: WorkerInfo, rref_id, fork_id, confirmed: bool) -> RRef:
     context = _require_context()
     if owner.id == context.worker_id:
         return RRef._from_entry(context.consume_fork(rref_id, fork_id))
-    return RRef._from_user(_UserState(owner, rref_id, fork_id, confirmed))
+    state = _UserState(owner, rref_id, fork_id, confirmed)
+    if not confirmed:  # handed on by a user: the owner confirms it once registered
+        confirmation = context.await_confirmation(state)
+        if confirmation is not None:
+            received_fork(confirmation)
+    return RRef._from_user(state)
 
 
 # ---------------------------------------------------------------------------
 
 
+def _check_method(value_type: type, name: str) -> None:
+    """torch's proxies look the method up on the value's type before calling it: a
+    missing one raises ``AttributeError`` here, on the caller."""
+    getattr(value_type, name)
+
+
+def _done_future(value: Any) -> torch.futures.Future:
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(value)
+    return done
+
+
 class _Proxy:
-    """``rref.rpc_sync().method(...)`` and friends: run a method on the owner."""
+    """``rref.rpc_sync().method(...)`` and friends: run a method on the owner.
+
+    As torch's proxies, a call first learns the value's type (``RRef._get_type``,
+    within the call's timeout, so a value still being created times the call out),
+    and raises ``AttributeError`` for a method the type lacks; ``rpc_async`` does
+    both without blocking and reports them through its future.
+    """
 
     def __init__(self, rref: RRef, mode: str, timeout: float):
         timeout = _core.check_timeout(timeout)  # at rref.rpc_sync(timeout), not at the method call
@@ -138,14 +184,59 @@ class _Proxy:
 
         def call(*args, **kwargs):
             packed = (rref, name, args, kwargs)
+            if mode == "async":
+                return _proxy_async(rref, name, packed, timeout)
+            _check_method(rref._get_type(timeout), name)
             if mode == "remote":
                 return create_remote(rref.owner(), _invoke_on_rref, packed, None, timeout)
             fut = _core.invoke(
-                rref.owner(), _invoke_on_rref, packed, None, timeout, user_visible=mode == "async"
+                rref.owner(), _invoke_on_rref, packed, None, timeout, user_visible=False
             )
-            return _core.wait(fut) if mode == "sync" else fut
+            return _core.wait(fut)
 
         return call
+
+
+def _proxy_async(rref: RRef, name: str, packed: tuple, timeout: float) -> torch.futures.Future:
+    """``rref.rpc_async().name(...)``: the call's future, sent once the type is known."""
+    type_future = rref._get_type(timeout, blocking=False)
+
+    def send() -> torch.futures.Future:
+        _check_method(type_future.wait(), name)
+        return _core.invoke(rref.owner(), _invoke_on_rref, packed, None, timeout)
+
+    if type_future.done():  # the type was known: send from the caller's thread, as rpc_async
+        try:
+            return send()
+        except BaseException as e:
+            failed: torch.futures.Future = torch.futures.Future()
+            _fail(failed, e)
+            return failed
+    result = UserFuture(_core.require_agent().transport)
+
+    def on_type(_: torch.futures.Future) -> None:
+        try:
+            call = send()
+        except BaseException as e:
+            _fail(result, e)
+            return
+        call.add_done_callback(functools.partial(_copy_outcome, result))
+
+    type_future.add_done_callback(on_type)
+    return result
+
+
+def _copy_outcome(into: torch.futures.Future, done: torch.futures.Future) -> None:
+    try:
+        into.set_result(done.wait())
+    except BaseException as e:
+        _fail(into, e)
+
+
+def _fail(future: torch.futures.Future, error: BaseException) -> None:
+    # Without its traceback: the frames it holds reference ``future`` and the RRef, a
+    # cycle through the C++ future that would keep the value on its owner forever.
+    set_error(future, error.with_traceback(None))
 
 
 class RRef(Generic[T]):
@@ -172,27 +263,43 @@ class RRef(Generic[T]):
         >>> rpc.shutdown()
     """
 
-    __slots__ = ("_entry", "_user", "_creation", "__weakref__")
+    __slots__ = ("_entry", "_user", "_creation", "_context", "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None):
-        entry = _require_context().new_entry()
+        context = _require_context()
+        entry = context.new_entry()
         entry.future.set_result(value)
         self._entry: _OwnerEntry | None = entry
         self._user: _UserState | None = None
         self._creation: torch.futures.Future | None = None
+        self._context: RRefContext = context
 
     @classmethod
     def _from_entry(cls, entry: _OwnerEntry, creation=None) -> RRef:
         rref = cls.__new__(cls)
         rref._entry, rref._user, rref._creation = entry, None, creation
+        rref._context = _require_context()
         return rref
 
     @classmethod
     def _from_user(cls, state: _UserState) -> RRef:
         rref = cls.__new__(cls)
         rref._entry, rref._user, rref._creation = None, state, state.creation
-        _require_context().track_user(rref)
+        rref._context = _require_context()
+        rref._context.track_user(rref)
         return rref
+
+    def _live_context(self) -> RRefContext:
+        """The bookkeeping of this RRef's RPC session, which must still be running: ids
+        start again with each ``init_rpc``, so in a later session this RRef's ids would
+        name other values."""
+        context = _require_context()
+        if context is not self._context:
+            raise RuntimeError(
+                f"{self} belongs to an RPC session that has been shut down: an RRef cannot "
+                "be used after rpc.shutdown(), even once init_rpc has started RPC again"
+            )
+        return context
 
     # -- identity ---------------------------------------------------------------
 
@@ -260,6 +367,7 @@ class RRef(Generic[T]):
             raise RuntimeError(
                 f"{self} has been deleted. Cannot call to_here() on it after deletion."
             )
+        self._live_context()
         return run_recorded(self._to_here_span, self._fetch, timeout)
 
     def _to_here_span(self) -> tuple[str, None]:
@@ -320,21 +428,40 @@ class RRef(Generic[T]):
         return self._get_future()
 
     def _get_type(self, timeout: float = _core.UNSET_RPC_TIMEOUT, blocking: bool = True):
+        """The type of the value (a future of it with ``blocking=False``), as torch's.
+
+        On a user it is asked of the owner, which answers once the value is set, within
+        ``timeout``; the answer is kept (``blocking=False`` returns the same future each
+        time), a failed one is not.
+        """
         timeout = _core.check_timeout(timeout)
         if self._user is None:
-            return type(self._entry.future.wait())
-        if self._user.type is None:
-            self._user.type = _core.wait(
-                _core.invoke(
-                    self._user.owner,
-                    _rref_type,
-                    (self._user.rref_id,),
-                    None,
-                    timeout,
-                    user_visible=False,
-                )
+            value_type = type(self._entry.future.wait())
+            return value_type if blocking else _done_future(value_type)
+        self._live_context()
+        state = self._user
+        future = state.type_future
+        if future is None:
+            future = _core.invoke(
+                state.owner,
+                _rref_typeof_on_owner,
+                (state.rref_id,),
+                None,
+                timeout,
+                user_visible=not blocking,
+                profile="async",
             )
-        return self._user.type
+            state.type_future = future
+
+            def forget_failure(f: torch.futures.Future) -> None:
+                try:
+                    f.wait()
+                except Exception:  # a later call asks again (the value may exist by then)
+                    if state.type_future is f:
+                        state.type_future = None
+
+            future.add_done_callback(forget_failure)
+        return _core.wait(future) if blocking else future
 
     # -- proxies ----------------------------------------------------------------
 
@@ -362,6 +489,7 @@ class RRef(Generic[T]):
         if self._user is not None:
             if dist_autograd_ctx_id == -1:
                 raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
+            self._live_context()
             _core.wait(
                 _core.invoke(
                     self._user.owner,
@@ -390,7 +518,7 @@ class RRef(Generic[T]):
                 "Can not pickle rref in python pickler, rref can only be pickled when using RPC"
             )
         agent = _core.require_agent()
-        context = _require_context()
+        context = self._live_context()
         fork_id = context.new_guid()
         owner = self.owner()
         # A fork is registered only once its message is certain to be sent
@@ -408,7 +536,7 @@ class RRef(Generic[T]):
         else:
             pctx.on_send.append(
                 lambda: agent.send_one_way(
-                    owner.id, Kind.RREF_FORK, ForkChange(rref_id, fork_id, True)
+                    owner.id, Kind.RREF_FORK, ForkChange(rref_id, fork_id, True, pctx.dst_id)
                 )
             )
         return (_rebuild_rref, (owner, rref_id, fork_id, False))
@@ -438,7 +566,8 @@ class RRef(Generic[T]):
         if user is None or user.deleted:
             return
         agent = _core.current_agent()
-        if agent is not None:
+        # Only into its own session: a later one's owners know nothing of this fork.
+        if agent is not None and current_context() is self._context:
             try:
                 self._delete(agent, soon=True)
             except Exception:  # interpreter teardown: nothing left to tell
