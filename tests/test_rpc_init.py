@@ -204,7 +204,8 @@ def test_world_size_that_disagrees_with_mpi_fails_init_everywhere(rpc_stopped):
     size = rpc_stopped.size
     message = init_error(world_size=size + 1)
     assert f"world_size={size + 1} was passed but the MPI job has {size} ranks" in message
-    message = init_error(world_size=size - 1 if rpc_stopped.rank == 0 else size)
+    # One rank's wrong world_size fails init on every rank (1 would start RPC alone).
+    message = init_error(world_size=size + 2 if rpc_stopped.rank == 0 else size)
     assert "rank 0" in message
     rpc.init_rpc(world_size=size)
     assert_works(rpc_stopped.names)
