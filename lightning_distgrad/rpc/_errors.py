@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 import traceback
 from typing import Any
 
@@ -83,9 +84,36 @@ _NOT_IMPORTABLE_HINT = (
 )
 
 
-def not_importable(exc: ImportError | AttributeError) -> BaseException:
-    """``exc`` (raised while unpickling a request) with the hint, keeping its type if possible."""
-    try:
-        return type(exc)(f"{exc}. {_NOT_IMPORTABLE_HINT}")
-    except Exception:  # a subclass whose constructor takes other arguments
-        return RuntimeError(f"{type(exc).__name__}: {exc}. {_NOT_IMPORTABLE_HINT}")
+def not_importable(exc: ImportError | AttributeError) -> RuntimeError:
+    """The error of a request whose function or argument class the callee could not import
+    (``exc``, raised while unpickling it): a ``RuntimeError``, as torch raises, with the hint.
+
+    Example::
+
+        >>> err = not_importable(AttributeError("Can't get attribute 'f' on <module 'm'>"))
+        >>> type(err).__name__, "pickler does not serialize function code" in str(err)
+        ('RuntimeError', True)
+    """
+    return RuntimeError(f"{type(exc).__name__}: {exc}. {_NOT_IMPORTABLE_HINT}")
+
+
+def async_wrong_type_error(result: Any) -> RuntimeError:
+    """torch's error for an ``@async_execution`` function that returned ``result``, no Future.
+
+    Example::
+
+        >>> str(async_wrong_type_error(1))[:62]
+        'Functions decorated with @rpc.async_function must return a tor'
+    """
+    return RuntimeError(
+        "Functions decorated with @rpc.async_function must return a "
+        f"torch.futures.Future object, but got {type(result)}"
+    )
+
+
+def print_user_error(exc: Exception, where: Any) -> None:
+    """Print the error that a user function raised on this callee to its ``sys.stderr``,
+    as torch's callee does (its caller gets the same text): the callee's log shows
+    which of its calls failed. ``where``: this worker's ``WorkerInfo``.
+    """
+    print(remote_error(exc, where)[1], file=sys.stderr)

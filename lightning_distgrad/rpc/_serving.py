@@ -16,9 +16,15 @@ from typing import Any
 
 import torch
 
-from .._compat import CFuture
+from .._compat import CFuture, find_builtin
 from . import _hooks
-from ._errors import is_async_function, not_importable, remote_error
+from ._errors import (
+    async_wrong_type_error,
+    is_async_function,
+    not_importable,
+    print_user_error,
+    remote_error,
+)
 from ._profiling import Recorder, profiling_key, run_recorded
 from ._transport import Transport
 from ._wire import Frame, Kind, decode_payload, encode_payload
@@ -27,16 +33,30 @@ from ._worker_info import WorkerInfo
 log = logging.getLogger("lightning_distgrad.rpc")
 
 
-def _decode_and_call(payload: bytes, tensors: list, route: str) -> tuple[Callable, Any]:
-    """Run a request's function; returns (function, result). Under an active torch
-    profiler the run is recorded as ``rpc_serve#<function>(<route>)``."""
+def _decode_and_call(
+    payload: bytes, tensors: list, route: str, me: WorkerInfo
+) -> tuple[Callable, Any]:
+    """Run a request's function on worker ``me``; returns (function, result). Under an
+    active torch profiler the run is recorded as ``rpc_serve#<function>(<route>)``."""
     # Only the unpickling is wrapped: the function's own errors reach the caller as raised.
     try:
         func, args, kwargs = decode_payload(payload, tensors)
     except (ImportError, AttributeError) as e:
         raise not_importable(e) from e
     name = functools.partial(_serve_span, func, route)
-    return func, run_recorded(name, func, *args, **kwargs)
+    try:
+        return func, run_recorded(name, func, *args, **kwargs)
+    except Exception as e:
+        if not _is_operator(func):  # torch's callee prints Python functions' errors only
+            print_user_error(e, me)
+        raise
+
+
+def _is_operator(func: Any) -> bool:
+    try:
+        return find_builtin(func) is not None
+    except Exception:
+        return False
 
 
 def _serve_span(func: Callable, route: str) -> tuple[str, None]:
@@ -87,6 +107,7 @@ class Serving:
                 frame.payload,
                 tensors,
                 self._route(source),
+                self.info,
             ),
         )
 
@@ -133,21 +154,14 @@ class Serving:
         elif isinstance(result, CFuture):
             result.add_done_callback(lambda f: self._reply_future(source, frame.call_id, f, ctx_id))
         else:
-            self.reply_error(
-                source,
-                frame.call_id,
-                TypeError(
-                    "Functions decorated with @rpc.async_function must return a "
-                    f"torch.futures.Future object, but got {type(result)}"
-                ),
-            )
+            self.reply_error(source, frame.call_id, async_wrong_type_error(result))
 
     def run_operator(self, source: int, frame: Frame, tensors: list) -> None:
         """A torch operator with no autograd context: :meth:`run_request` minus the
         hooks (nothing to record, no context to switch: an operator makes no RPCs)."""
         try:
             _, result = _hooks.with_grad(
-                _decode_and_call, frame.payload, tensors, self._route(source)
+                _decode_and_call, frame.payload, tensors, self._route(source), self.info
             )
         except BaseException as e:
             self.reply_error(source, frame.call_id, e)
@@ -164,9 +178,14 @@ class Serving:
 
     def _reply(self, dst: int, call_id: int, ok: bool, value: Any, ctx_id=None) -> None:
         try:
-            if ok and type(value) is torch.Tensor and value.layout == torch.strided:
-                # The usual result, one plain tensor, needs no pickle: its frame has
-                # no payload.
+            if (
+                ok
+                and type(value) is torch.Tensor
+                and value.layout == torch.strided
+                and value.is_contiguous()
+            ):
+                # The usual result, one plain contiguous tensor, needs no pickle: its
+                # frame has no payload (a view's strides travel in the payload).
                 payload, tensors, pctx = None, [value], None
             else:
                 payload, tensors, pctx = encode_payload((ok, value), dst)
