@@ -5,7 +5,7 @@ Port a program by replacing ``import torch.distributed.rpc as rpc`` with
 ``mpiexec -n N python -m mpi4py program.py``.
 """
 
-from . import functions
+from . import _futures, functions
 from ._agent import WorkerInfo
 from ._core import UNSET_RPC_TIMEOUT
 from .api import (
@@ -28,6 +28,9 @@ from .options import (
     TensorPipeRpcBackendOptions,
 )
 from .rref import RRef
+
+# torch.futures.wait_all/collect_all end at a failed RPC future of ours, as at torch's.
+_futures.install()
 
 __all__ = [
     "init_rpc",
