@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -246,6 +247,16 @@ def module_children(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
     Public alternative: ``named_children()``, which yields a module held under two names once.
     """
     return module._modules
+
+
+def torch_wait_all_futures() -> list | None:
+    """The list that torch's ``torch.distributed.rpc.api._wait_all()`` collects this thread's
+    ``rpc_async`` futures in while it runs, or None (also when torch's RPC is not imported).
+
+    No public alternative as of torch 2.13 (``_wait_all`` and its thread-local are private).
+    """
+    api = sys.modules.get("torch.distributed.rpc.api")
+    return getattr(getattr(api, "_thread_local_var", None), "future_list", None)
 
 
 # --- Python --------------------------------------------------------------------------------------

@@ -28,6 +28,10 @@ def raise_value_error():
     raise ValueError(EXPECTED)
 
 
+def raise_multiline_error():
+    raise ValueError("\nFirst line of error \n next line of error \n last line of error")
+
+
 def describe(t):
     return t.is_contiguous(), t.stride(), t.clone()
 
@@ -130,6 +134,7 @@ def test_gradients_through_a_view_sent_over_rpc_equal_local_autograd(rpc_world):
 
 @pytest.mark.mpi(min_size=2)
 def test_the_callee_prints_a_user_functions_error_to_its_stderr(rpc_world, capsys):
+    rpc_world.barrier()  # every rank captures its stderr before any call can reach it
     with pytest.raises(ValueError, match=EXPECTED):
         rpc.rpc_async(rpc_world.peer(), raise_value_error).wait()
     with pytest.raises(ValueError, match=EXPECTED):
@@ -139,8 +144,17 @@ def test_the_callee_prints_a_user_functions_error_to_its_stderr(rpc_world, capsy
     rpc_world.barrier()  # every rank's calls, so every callee's prints, are done
     err = capsys.readouterr().err
     me = f"On WorkerInfo(id={rpc_world.rank}, name={rpc_world.name}):"
-    assert err.count(me) == 2 and err.count(f"ValueError: {EXPECTED}") == 2
+    assert err.count(me) == 2 and err.count(f"ValueError: {EXPECTED}") == 2, err
     assert "size of tensor" not in err
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_remote_errors_text_shows_line_breaks_not_escapes(rpc_world):
+    with pytest.raises(ValueError) as info:
+        rpc.rpc_sync(rpc_world.peer(), raise_multiline_error)
+    text = str(info.value)
+    assert "ValueError('\nFirst line of error \n next line of error" in text
+    assert text == text.encode("utf-8").decode("unicode_escape")  # as torch's test checks
 
 
 # ---------------------------------------------------------------------------
@@ -214,3 +228,15 @@ def test_init_rpc_raises_after_the_rpc_timeout_when_a_rank_does_not_call_it(rpc_
         assert rpc.rpc_sync(r, add, (r, 1)) == r + 1
     assert MPI.COMM_WORLD.Get_size() == rpc_stopped.size
     rpc.shutdown()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_torchs_wait_all_block_waits_for_our_rpc_async_futures(rpc_world):
+    from torch.distributed.rpc.api import _thread_local_var, _wait_all  # torch's, private
+
+    with pytest.raises(ValueError, match=EXPECTED), _wait_all():
+        ok = rpc.rpc_async(rpc_world.peer(), add, (1, 2))
+        assert rpc.rpc_sync(rpc_world.peer(), add, (3, 4)) == 7  # not collected
+        rpc.rpc_async(rpc_world.peer(), raise_value_error)
+        assert len(_thread_local_var.future_list) == 2
+    assert ok.done() and ok.wait() == 3

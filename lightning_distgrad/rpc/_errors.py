@@ -40,7 +40,23 @@ def is_async_function(func: Any) -> bool:
 def remote_error(exc: BaseException, where: Any) -> tuple[type, str]:
     """What travels of an exception raised on worker ``where``: its type and text."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return type(exc), f"On {where}:\n{exc!r}\n{text}"
+    return type(exc), _unescaped(f"On {where}:\n{exc!r}\n{text}")
+
+
+def _unescaped(text: str) -> str:
+    r"""``text`` with backslash escapes undone, as torch shows a remote error: the ``repr``
+    of its exception reads ``ValueError('a\nb')`` with a real line break. Other characters
+    stay as they are; a text with a malformed escape stays whole.
+
+    Example::
+
+        >>> _unescaped("ValueError('naïve €\\n x')")
+        "ValueError('naïve €\n x')"
+    """
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError:
+        return text
 
 
 def rebuild_error(exc_type: type, msg: str) -> BaseException:

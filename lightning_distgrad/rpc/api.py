@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from .._compat import register_atexit
+from .._compat import register_atexit, torch_wait_all_futures
 from . import _core, _hooks, _rendezvous, _rref_context, _shutdown, _wire
 from . import rref as _rref
 from ._abort import abort_mpi_job
@@ -289,7 +289,12 @@ def rpc_async(
         >>> fut.wait()
         tensor([4., 4.])
     """
-    return _core.invoke(to, func, args, kwargs, timeout, user_visible=True, profile="async")
+    future = _core.invoke(to, func, args, kwargs, timeout, user_visible=True, profile="async")
+    # Inside torch's ``rpc.api._wait_all()`` block, which waits for it at the block's end.
+    collecting = torch_wait_all_futures()
+    if collecting is not None:
+        collecting.append(future)
+    return future
 
 
 def remote(
