@@ -249,14 +249,14 @@ def module_children(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return module._modules
 
 
-def torch_wait_all_futures() -> list | None:
-    """The list that torch's ``torch.distributed.rpc.api._wait_all()`` collects this thread's
-    ``rpc_async`` futures in while it runs, or None (also when torch's RPC is not imported).
+def torch_rpc_thread_local() -> Any:
+    """``torch.distributed.rpc.api._thread_local_var``, the thread-local in which torch's
+    ``rpc.api._wait_all()`` block collects ``rpc_async`` futures (its ``future_list``), or
+    None when torch's RPC API is not imported.
 
     No public alternative as of torch 2.13 (``_wait_all`` and its thread-local are private).
     """
-    api = sys.modules.get("torch.distributed.rpc.api")
-    return getattr(getattr(api, "_thread_local_var", None), "future_list", None)
+    return getattr(sys.modules.get("torch.distributed.rpc.api"), "_thread_local_var", None)
 
 
 # --- Python --------------------------------------------------------------------------------------

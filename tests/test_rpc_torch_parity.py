@@ -231,8 +231,13 @@ def test_init_rpc_raises_after_the_rpc_timeout_when_a_rank_does_not_call_it(rpc_
 
 
 @pytest.mark.mpi(min_size=2)
-def test_torchs_wait_all_block_waits_for_our_rpc_async_futures(rpc_world):
-    from torch.distributed.rpc.api import _thread_local_var, _wait_all  # torch's, private
+@pytest.mark.parametrize("whose", ["ours", "torchs"])
+def test_a_wait_all_block_waits_for_its_rpc_async_futures(rpc_world, whose):
+    # rpc.api._wait_all is private in torch; ported code may use ours or keep torch's.
+    if whose == "torchs":
+        from torch.distributed.rpc.api import _thread_local_var, _wait_all
+    else:
+        from lightning_distgrad.rpc.api import _thread_local_var, _wait_all
 
     with pytest.raises(ValueError, match=EXPECTED), _wait_all():
         ok = rpc.rpc_async(rpc_world.peer(), add, (1, 2))
@@ -240,3 +245,7 @@ def test_torchs_wait_all_block_waits_for_our_rpc_async_futures(rpc_world):
         rpc.rpc_async(rpc_world.peer(), raise_value_error)
         assert len(_thread_local_var.future_list) == 2
     assert ok.done() and ok.wait() == 3
+    assert not hasattr(_thread_local_var, "future_list")
+    with _wait_all():
+        late = rpc.rpc_async(rpc_world.peer(), add, (1, 1))
+    assert late.done() and late.wait() == 2

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from mpi4py import MPI
 
-from .._compat import register_atexit, torch_wait_all_futures
+from .._compat import register_atexit, torch_rpc_thread_local
 from . import _core, _hooks, _rendezvous, _rref_context, _shutdown, _wire
 from . import rref as _rref
 from ._abort import abort_mpi_job
@@ -290,11 +292,42 @@ def rpc_async(
         tensor([4., 4.])
     """
     future = _core.invoke(to, func, args, kwargs, timeout, user_visible=True, profile="async")
-    # Inside torch's ``rpc.api._wait_all()`` block, which waits for it at the block's end.
-    collecting = torch_wait_all_futures()
-    if collecting is not None:
-        collecting.append(future)
+    # Each ``_wait_all()`` block this thread is in (ours, torch's) waits for it at its end.
+    torchs = torch_rpc_thread_local()
+    for local in {_thread_local_var, torchs} - {None}:
+        collecting = getattr(local, "future_list", None)
+        if collecting is not None:
+            collecting.append(future)
     return future
+
+
+#: Where a ``_wait_all()`` block collects this thread's ``rpc_async`` futures: torch's own
+#: thread-local when torch's RPC API was imported first, so that its block and ours agree.
+_thread_local_var = torch_rpc_thread_local() or threading.local()
+
+
+@contextlib.contextmanager
+def _wait_all() -> Iterator[None]:
+    r"""As torch's private ``rpc.api._wait_all``: every ``rpc_async`` future made on this
+    thread inside the block is waited for at its end (``torch.futures.wait_all``: the
+    first failed call's error is raised).
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> with rpc.api._wait_all():
+        ...     fut = rpc.rpc_async("worker1", torch.add, (torch.ones(2), 1))
+        >>> fut.done()
+        True
+    """
+    _thread_local_var.future_list = []
+    try:
+        yield
+    finally:
+        try:
+            torch.futures.wait_all(_thread_local_var.future_list)
+        finally:
+            del _thread_local_var.future_list
 
 
 def remote(
