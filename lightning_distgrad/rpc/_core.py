@@ -48,11 +48,12 @@ def require_agent() -> Agent:
 
 
 def check_timeout(timeout: Any, name: str = "timeout", *, unset_ok: bool = True) -> float:
-    """``timeout`` as float seconds, or ``ValueError`` before anything is sent.
+    """``timeout`` as float seconds, or an error before anything is sent.
 
     Allowed: a real number >= 0 (0: no timeout), and with ``unset_ok``
-    ``UNSET_RPC_TIMEOUT`` (-1) for the agent's default. Rejected: other
-    negatives, NaN, infinity, bools and non-numbers.
+    ``UNSET_RPC_TIMEOUT`` (-1) for the agent's default. Rejected with
+    ``ValueError``: other negatives, NaN and infinity; with ``TypeError``
+    (as torch's): bools and non-numbers.
 
     Example::
         >>> check_timeout(2)
@@ -75,7 +76,9 @@ def check_timeout(timeout: Any, name: str = "timeout", *, unset_ok: bool = True)
     got = repr(timeout) if kind is float or kind is int else f"{timeout!r} ({kind.__name__})"
     if kind is float and timeout == math.inf:
         got += "; use 0 for no timeout"
-    raise ValueError(f"{allowed}; got {got}")
+    if kind is float or kind is int:
+        raise ValueError(f"{allowed}; got {got}")
+    raise TypeError(f"{allowed}; got {got}")
 
 
 def resolve(agent: Agent, to: Any) -> WorkerInfo:

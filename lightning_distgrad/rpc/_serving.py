@@ -49,6 +49,10 @@ def _decode_and_call(
     except Exception as e:
         if not _is_operator(func):  # torch's callee prints Python functions' errors only
             print_user_error(e, me)
+        elif isinstance(e, TypeError):  # arguments no schema takes: torch's error for them
+            raise RuntimeError(
+                f"Overloaded torch operator invoked from Python failed to match any schema: {e}"
+            ) from e
         raise
 
 

@@ -81,7 +81,7 @@ def init_rpc(
         raise TypeError("Argument backend must be a member of BackendType")
     options = rpc_backend_options if rpc_backend_options is not None else MPIRpcBackendOptions()
     if not isinstance(options, MPIRpcBackendOptions):
-        raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
+        raise TypeError(_options_type_problem(options, backend))
     comm = options.comm if options.comm is not None else MPI.COMM_WORLD
     job_size = comm.Get_size()
     alone = world_size == 1 and job_size > 1
@@ -138,6 +138,19 @@ def init_rpc(
     _core.set_agent(agent)
     agent.start()
     _install_exit_hooks(job_size)
+
+
+def _options_type_problem(options: Any, backend: BackendType | None) -> str:
+    """torch's words for ``rpc_backend_options`` of the wrong type: not options at all, or
+    options of another agent, with or without a ``backend`` to check them against."""
+    ours = " (here MPIRpcBackendOptions, which TensorPipeRpcBackendOptions is an alias of)"
+    if not (hasattr(options, "rpc_timeout") and hasattr(options, "init_method")):
+        return f"Argument rpc_backend_options must be an instance of RpcBackendOptions{ours}"
+    if backend is None:
+        return f"Could not infer backend for options {options}{ours}"
+    return (
+        f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`{ours}. Got {type(options)}"
+    )
 
 
 def _torch_problems(torch_build: tuple, first: tuple) -> list[str]:

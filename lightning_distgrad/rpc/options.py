@@ -89,7 +89,12 @@ class MPIRpcBackendOptions:
             raise ValueError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
         self.max_message_bytes = max_message_bytes
         self.num_worker_threads = num_worker_threads
-        self.rpc_timeout = check_timeout(rpc_timeout, "rpc_timeout", unset_ok=False)
+        try:
+            self.rpc_timeout = check_timeout(rpc_timeout, "rpc_timeout", unset_ok=False)
+        except TypeError as e:  # torch's words for a constructor argument of a wrong type
+            raise TypeError(
+                f"{type(self).__name__}: incompatible constructor arguments: {e}"
+            ) from None
         self.comm = comm
         self.init_method = init_method
         self.devices = [_to_device(d) for d in devices or []]
