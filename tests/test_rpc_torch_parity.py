@@ -255,21 +255,24 @@ def test_a_wait_all_block_waits_for_its_rpc_async_futures(rpc_world, whose):
 # Options of the wrong type (no agent needed: init_rpc refuses them before any collective)
 
 
-class OtherAgentOptions:
-    """Options of some other RPC agent: torch's ``RpcBackendOptions`` fields, not ours."""
+class OtherAgentOptions(rpc.RpcBackendOptions):
+    """Options of some other RPC agent, as torch's test defines them."""
 
-    rpc_timeout = 60.0
-    init_method = "env://"
+    def __init__(self, init_method):
+        rpc.RpcBackendOptions.__init__(self)
+        self.init_method = init_method
 
 
 def test_init_rpc_names_options_of_the_wrong_type_in_torchs_words():
     with pytest.raises(TypeError, match="must be an instance of RpcBackendOptions"):
         rpc.init_rpc(rpc_backend_options={"init_method": "env://"})
     with pytest.raises(TypeError, match="Could not infer backend for options"):
-        rpc.init_rpc(rpc_backend_options=OtherAgentOptions())
+        rpc.init_rpc(rpc_backend_options=OtherAgentOptions("env://"))
     with pytest.raises(
         TypeError, match="`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`"
     ):
-        rpc.init_rpc(backend=rpc.BackendType.TENSORPIPE, rpc_backend_options=OtherAgentOptions())
+        rpc.init_rpc(
+            backend=rpc.BackendType.TENSORPIPE, rpc_backend_options=OtherAgentOptions("env://")
+        )
     with pytest.raises(RuntimeError, match="RPC has not been initialized"):
         rpc.get_worker_info()

@@ -18,7 +18,7 @@ from ._abort import abort_mpi_job
 from ._agent import Agent, WorkerInfo
 from ._core import UNSET_RPC_TIMEOUT
 from ._worker_info import name_problem
-from .options import BackendType, MPIRpcBackendOptions
+from .options import BackendType, MPIRpcBackendOptions, RpcBackendOptions
 from .rref import RRef
 
 __all__ = [
@@ -144,7 +144,7 @@ def _options_type_problem(options: Any, backend: BackendType | None) -> str:
     """torch's words for ``rpc_backend_options`` of the wrong type: not options at all, or
     options of another agent, with or without a ``backend`` to check them against."""
     ours = " (here MPIRpcBackendOptions, which TensorPipeRpcBackendOptions is an alias of)"
-    if not (hasattr(options, "rpc_timeout") and hasattr(options, "init_method")):
+    if not isinstance(options, RpcBackendOptions):
         return f"Argument rpc_backend_options must be an instance of RpcBackendOptions{ours}"
     if backend is None:
         return f"Could not infer backend for options {options}{ours}"
