@@ -276,3 +276,44 @@ def test_init_rpc_names_options_of_the_wrong_type_in_torchs_words():
         )
     with pytest.raises(RuntimeError, match="RPC has not been initialized"):
         rpc.get_worker_info()
+
+
+# ---------------------------------------------------------------------------
+# Futures cannot be sent; torch's constants; an RRef before init_rpc
+
+
+def keep(x):
+    return x
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sending_a_future_raises_torchs_runtime_error(rpc_world):
+    future = torch.futures.Future()
+    for send in (rpc.rpc_sync, rpc.rpc_async, rpc.remote):
+        with pytest.raises(RuntimeError, match="Can not pickle torch.futures.Future"):
+            send(rpc_world.peer(), keep, args=(future,))
+    done = rpc.rpc_async(rpc_world.peer(), add, (1, 2))
+    with pytest.raises(RuntimeError, match="Can not pickle torch.futures.Future"):
+        rpc.rpc_sync(rpc_world.peer(), keep, args=([done],))  # ours too, inside a list
+    assert done.wait() == 3
+
+
+def test_rpc_constants_have_torchs_names_and_this_agents_values():
+    assert rpc.constants.DEFAULT_RPC_TIMEOUT_SEC == 60.0
+    assert rpc.constants.UNSET_RPC_TIMEOUT == rpc.UNSET_RPC_TIMEOUT == -1.0
+    assert rpc.constants.DEFAULT_NUM_WORKER_THREADS == 16
+    assert rpc.MPIRpcBackendOptions().rpc_timeout == rpc.constants.DEFAULT_RPC_TIMEOUT_SEC
+
+
+def test_an_rref_before_init_rpc_says_so_in_torchs_words():
+    with pytest.raises(RuntimeError, match="Current RPC agent is not set") as info:
+        rpc.RRef(torch.ones(1))
+    assert str(info.value).startswith("RPC has not been initialized")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dist_autograd_backward_with_arguments_of_wrong_types_raises_type_error(rpc_world):
+    with dist_autograd.context() as context_id:
+        for bad in ((context_id, None), (None, None)):
+            with pytest.raises(TypeError, match="incompatible function arguments"):
+                dist_autograd.backward(*bad)

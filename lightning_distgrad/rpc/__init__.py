@@ -5,7 +5,7 @@ Port a program by replacing ``import torch.distributed.rpc as rpc`` with
 ``mpiexec -n N python -m mpi4py program.py``.
 """
 
-from . import _futures, functions
+from . import _futures, constants, functions
 from ._agent import WorkerInfo
 from ._core import UNSET_RPC_TIMEOUT
 from .api import (
@@ -47,6 +47,7 @@ __all__ = [
     "TensorPipeRpcBackendOptions",
     "RpcBackendOptions",
     "functions",
+    "constants",
     "UNSET_RPC_TIMEOUT",
     "_set_rpc_timeout",
     "_get_current_rpc_agent",

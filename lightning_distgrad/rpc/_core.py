@@ -32,17 +32,25 @@ def current_agent() -> Agent | None:
     return _agent
 
 
-def require_agent() -> Agent:
-    """The running agent, or the error torch gives before ``init_rpc``/after ``shutdown``."""
+#: torch's text for an RPC object (a local ``RRef``) made before ``init_rpc``.
+AGENT_NOT_SET = (
+    " Current RPC agent is not set! Did you initialize the RPC framework "
+    "(e.g. calling `rpc.init_rpc`)?"
+)
+
+
+def require_agent(more: str = "") -> Agent:
+    """The running agent, or the error torch gives before ``init_rpc``/after ``shutdown``,
+    followed by ``more`` (torch's text where it differs, as :data:`AGENT_NOT_SET`)."""
     if _agent is None:
         # torch's text stays the prefix after shutdown too: ported code matches on it.
         if _shut_down:
             raise RuntimeError(
                 "RPC has not been initialized. Call lightning_distgrad.rpc.init_rpc first. "
-                "(RPC has been shut down on this worker; init_rpc can start it again.)"
+                "(RPC has been shut down on this worker; init_rpc can start it again.)" + more
             )
         raise RuntimeError(
-            "RPC has not been initialized. Call lightning_distgrad.rpc.init_rpc first."
+            "RPC has not been initialized. Call lightning_distgrad.rpc.init_rpc first." + more
         )
     return _agent
 

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
+from .._compat import CFuture
+
 if TYPE_CHECKING:
     from ._buffers import ReceiveBufferPool
 
@@ -263,6 +265,10 @@ class PicklingContext:
         self.on_send = []
 
 
+class NotSendable(RuntimeError):
+    """An object that RPCs refuse to send, as torch's do (a Future), with torch's text."""
+
+
 def current_pickling_context() -> PicklingContext | None:
     """The message being pickled on this thread, or None outside RPC pickling."""
     return _local.ctx
@@ -283,7 +289,14 @@ def encode_payload(obj: Any, dst_id: int) -> tuple[bytes, list[torch.Tensor], Pi
         # Torch operators travel as their pickled reference (see _function_id).
         kind = type(o)
         if kind is not torch.Tensor and kind is not torch.nn.Parameter:
-            return _function_id(o) if kind is types.BuiltinFunctionType else None
+            if kind is types.BuiltinFunctionType:
+                return _function_id(o)
+            if isinstance(o, CFuture):
+                raise NotSendable(
+                    "Can not pickle torch.futures.Future: an RPC cannot send a Future; "
+                    "send its value once it is done (fut.wait())"
+                )
+            return None
         if o.layout != torch.strided:
             return None
         pid = pids.get(id(o))

@@ -187,6 +187,7 @@ class RRef(Generic[T]):
     __slots__ = ("_entry", "_user", "_creation", "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None):
+        _core.require_agent(_core.AGENT_NOT_SET)
         entry = _require_context().new_entry()
         entry.future.set_result(value)
         self._entry: _OwnerEntry | None = entry
