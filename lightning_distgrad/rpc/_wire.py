@@ -301,8 +301,14 @@ def encode_payload(obj: Any, dst_id: int) -> tuple[bytes, list[torch.Tensor], Pi
             return None
         pid = pids.get(id(o))
         if pid is None:
-            strided = kind is torch.Tensor and not o.is_contiguous() and _keeps_strides(o)
-            # A kept view travels as the stretch of storage it spans, rebuilt with its strides.
+            # A kept view travels as the stretch of storage it spans, rebuilt with its strides
+            # (only strided tensors have strides: sparse ones raise on is_contiguous).
+            strided = (
+                kind is torch.Tensor
+                and o.layout is torch.strided
+                and not o.is_contiguous()
+                and _keeps_strides(o)
+            )
             tensors.append(_storage_span(o) if strided else o)
             index = len(tensors) - 1
             if strided:
