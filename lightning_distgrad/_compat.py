@@ -21,6 +21,7 @@ import contextlib
 import importlib
 import os
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -378,6 +379,16 @@ def watch_torch_profilers(
             return events
 
         _legacy_profiler._parse_legacy_records = parse
+
+
+def torch_rpc_thread_local() -> Any:
+    """``torch.distributed.rpc.api._thread_local_var``, the thread-local in which torch's
+    ``rpc.api._wait_all()`` block collects ``rpc_async`` futures (its ``future_list``), or
+    None when torch's RPC API is not imported.
+
+    No public alternative as of torch 2.13 (``_wait_all`` and its thread-local are private).
+    """
+    return getattr(sys.modules.get("torch.distributed.rpc.api"), "_thread_local_var", None)
 
 
 # --- Python --------------------------------------------------------------------------------------

@@ -296,9 +296,18 @@ def test_async_execution_keeps_wrapped_function():
     assert async_add.__name__ == "async_add"
 
 
-def test_async_execution_without_future_raises_type_error(rpc_world):
-    with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+def test_async_execution_without_future_raises_runtime_error(rpc_world):
+    # torch's type and text, whichever way the function is called.
+    wrong = "Functions decorated with @rpc.async_function must return a torch.futures.Future"
+    with pytest.raises(RuntimeError, match=wrong):
         rpc.rpc_sync(rpc_world.peer(), async_not_a_future)
+    with pytest.raises(RuntimeError, match=wrong):
+        rpc.rpc_async(rpc_world.peer(), async_not_a_future).wait()
+    rref = rpc.remote(rpc_world.peer(), async_not_a_future)
+    with pytest.raises(RuntimeError, match=wrong):
+        rref.to_here()
+    with pytest.raises(RuntimeError, match=wrong):
+        rpc.remote(rpc_world.name, async_not_a_future).to_here()  # owned here
     assert rpc.rpc_sync(rpc_world.peer(), builtins.max, (1, 2)) == 2
 
 

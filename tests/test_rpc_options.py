@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import pickle
 
 import pytest
@@ -60,7 +61,9 @@ def test_set_device_map_is_one_to_one():
 
 def test_torch_names_are_aliases():
     assert TensorPipeRpcBackendOptions is MPIRpcBackendOptions
-    assert RpcBackendOptions is MPIRpcBackendOptions
+    # As torch's: the base class of every agent's options, which init_rpc does not take alone.
+    assert issubclass(MPIRpcBackendOptions, RpcBackendOptions)
+    assert RpcBackendOptions().rpc_timeout == 60.0
     assert BackendType.TENSORPIPE is BackendType.MPI
 
 
@@ -75,9 +78,7 @@ def test_unset_timeout_sentinel_matches_torch():
     assert rpc.UNSET_RPC_TIMEOUT == -1.0
 
 
-@pytest.mark.parametrize(
-    "bad", [-5, -0.001, -1, -1.0, float("nan"), float("inf"), "60", None, True], ids=repr
-)
+@pytest.mark.parametrize("bad", [-5, -0.001, -1, -1.0, float("nan"), float("inf")], ids=repr)
 def test_options_reject_bad_rpc_timeout(bad):
     with pytest.raises(
         ValueError,
@@ -86,6 +87,13 @@ def test_options_reject_bad_rpc_timeout(bad):
     ) as info:
         MPIRpcBackendOptions(rpc_timeout=bad)
     assert "UNSET_RPC_TIMEOUT" not in str(info.value)  # the default itself cannot be unset
+
+
+@pytest.mark.parametrize("bad", ["60", None, True, datetime.timedelta(seconds=5)], ids=repr)
+def test_options_reject_an_rpc_timeout_of_another_type_with_torchs_type_error(bad):
+    with pytest.raises(TypeError, match="incompatible constructor arguments") as info:
+        TensorPipeRpcBackendOptions(rpc_timeout=bad)
+    assert "rpc_timeout must be a number of seconds >= 0 (0: no timeout); got" in str(info.value)
 
 
 def test_options_accept_zero_and_positive_rpc_timeouts():
@@ -106,7 +114,7 @@ def test_check_timeout_says_what_is_allowed():
     )
     with pytest.raises(ValueError, match=r"; got inf; use 0 for no timeout$"):
         check_timeout(float("inf"))
-    with pytest.raises(ValueError, match=r"; got '1' \(str\)$"):
+    with pytest.raises(TypeError, match=r"; got '1' \(str\)$"):  # a type: as torch's
         check_timeout("1")
     with pytest.raises(ValueError, match=r"^shutdown timeout must be .*; got nan$"):
         check_timeout(float("nan"), "shutdown timeout", unset_ok=False)

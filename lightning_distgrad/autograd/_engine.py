@@ -133,7 +133,10 @@ def backward(
     """
     check_context_id(context_id)
     if not isinstance(roots, (list, tuple)):
-        raise TypeError(f"backward(): roots must be a list of tensors, got {type(roots).__name__}")
+        raise TypeError(
+            "backward(): incompatible function arguments: roots must be a list of tensors, "
+            f"got {type(roots).__name__}"
+        )
     cont = container()
     ctx = cont.retrieve(context_id)
     if strict is None:

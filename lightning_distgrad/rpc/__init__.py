@@ -5,7 +5,7 @@ Port a program by replacing ``import torch.distributed.rpc as rpc`` with
 ``mpiexec -n N python -m mpi4py program.py``.
 """
 
-from . import functions
+from . import _futures, constants, functions
 from ._agent import WorkerInfo
 from ._core import UNSET_RPC_TIMEOUT
 from ._server_profiler import (
@@ -34,6 +34,9 @@ from .options import (
 )
 from .rref import RRef
 
+# torch.futures.wait_all/collect_all end at a failed RPC future of ours, as at torch's.
+_futures.install()
+
 __all__ = [
     "init_rpc",
     "shutdown",
@@ -49,6 +52,7 @@ __all__ = [
     "TensorPipeRpcBackendOptions",
     "RpcBackendOptions",
     "functions",
+    "constants",
     "UNSET_RPC_TIMEOUT",
     "_set_rpc_timeout",
     "_get_current_rpc_agent",

@@ -50,6 +50,7 @@ from ._wire import (
     FrameLimits,
     Kind,
     MalformedFrame,
+    NotSendable,
     decode_payload,
     encode_payload,
 )
@@ -210,7 +211,9 @@ class Agent:
         try:
             return encode_payload(obj, dst.id)
         except Exception as e:
-            if isinstance(e, RuntimeError) and "rref" in str(e).lower():
+            if isinstance(e, NotSendable) or (
+                isinstance(e, RuntimeError) and "rref" in str(e).lower()
+            ):
                 raise
             raise TypeError(
                 f"Could not pickle the RPC to {dst.name} ({getattr(func, '__qualname__', func)}): "

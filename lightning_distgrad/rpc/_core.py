@@ -35,27 +35,36 @@ def current_agent() -> Agent | None:
     return _agent
 
 
-def require_agent() -> Agent:
-    """The running agent, or the error torch gives before ``init_rpc``/after ``shutdown``."""
+#: torch's text for an RPC object (a local ``RRef``) made before ``init_rpc``.
+AGENT_NOT_SET = (
+    " Current RPC agent is not set! Did you initialize the RPC framework "
+    "(e.g. calling `rpc.init_rpc`)?"
+)
+
+
+def require_agent(more: str = "") -> Agent:
+    """The running agent, or the error torch gives before ``init_rpc``/after ``shutdown``,
+    followed by ``more`` (torch's text where it differs, as :data:`AGENT_NOT_SET`)."""
     if _agent is None:
         # torch's text stays the prefix after shutdown too: ported code matches on it.
         if _shut_down:
             raise RuntimeError(
                 "RPC has not been initialized. Call lightning_distgrad.rpc.init_rpc first. "
-                "(RPC has been shut down on this worker; init_rpc can start it again.)"
+                "(RPC has been shut down on this worker; init_rpc can start it again.)" + more
             )
         raise RuntimeError(
-            "RPC has not been initialized. Call lightning_distgrad.rpc.init_rpc first."
+            "RPC has not been initialized. Call lightning_distgrad.rpc.init_rpc first." + more
         )
     return _agent
 
 
 def check_timeout(timeout: Any, name: str = "timeout", *, unset_ok: bool = True) -> float:
-    """``timeout`` as float seconds, or ``ValueError`` before anything is sent.
+    """``timeout`` as float seconds, or an error before anything is sent.
 
     Allowed: a real number >= 0 (0: no timeout), and with ``unset_ok``
-    ``UNSET_RPC_TIMEOUT`` (-1) for the agent's default. Rejected: other
-    negatives, NaN, infinity, bools and non-numbers.
+    ``UNSET_RPC_TIMEOUT`` (-1) for the agent's default. Rejected with
+    ``ValueError``: other negatives, NaN and infinity; with ``TypeError``
+    (as torch's): bools and non-numbers.
 
     Example::
         >>> check_timeout(2)
@@ -78,7 +87,9 @@ def check_timeout(timeout: Any, name: str = "timeout", *, unset_ok: bool = True)
     got = repr(timeout) if kind is float or kind is int else f"{timeout!r} ({kind.__name__})"
     if kind is float and timeout == math.inf:
         got += "; use 0 for no timeout"
-    raise ValueError(f"{allowed}; got {got}")
+    if kind is float or kind is int:
+        raise ValueError(f"{allowed}; got {got}")
+    raise TypeError(f"{allowed}; got {got}")
 
 
 def resolve(agent: Agent, to: Any) -> WorkerInfo:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 import traceback
 from typing import Any
 
@@ -39,7 +40,23 @@ def is_async_function(func: Any) -> bool:
 def remote_error(exc: BaseException, where: Any) -> tuple[type, str]:
     """What travels of an exception raised on worker ``where``: its type and text."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return type(exc), f"On {where}:\n{exc!r}\n{text}"
+    return type(exc), _unescaped(f"On {where}:\n{exc!r}\n{text}")
+
+
+def _unescaped(text: str) -> str:
+    r"""``text`` with backslash escapes undone, as torch shows a remote error: the ``repr``
+    of its exception reads ``ValueError('a\nb')`` with a real line break. Other characters
+    stay as they are; a text with a malformed escape stays whole.
+
+    Example::
+
+        >>> _unescaped("ValueError('naïve €\\n x')")
+        "ValueError('naïve €\n x')"
+    """
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError:
+        return text
 
 
 def rebuild_error(exc_type: type, msg: str) -> BaseException:
@@ -83,9 +100,36 @@ _NOT_IMPORTABLE_HINT = (
 )
 
 
-def not_importable(exc: ImportError | AttributeError) -> BaseException:
-    """``exc`` (raised while unpickling a request) with the hint, keeping its type if possible."""
-    try:
-        return type(exc)(f"{exc}. {_NOT_IMPORTABLE_HINT}")
-    except Exception:  # a subclass whose constructor takes other arguments
-        return RuntimeError(f"{type(exc).__name__}: {exc}. {_NOT_IMPORTABLE_HINT}")
+def not_importable(exc: ImportError | AttributeError) -> RuntimeError:
+    """The error of a request whose function or argument class the callee could not import
+    (``exc``, raised while unpickling it): a ``RuntimeError``, as torch raises, with the hint.
+
+    Example::
+
+        >>> err = not_importable(AttributeError("Can't get attribute 'f' on <module 'm'>"))
+        >>> type(err).__name__, "pickler does not serialize function code" in str(err)
+        ('RuntimeError', True)
+    """
+    return RuntimeError(f"{type(exc).__name__}: {exc}. {_NOT_IMPORTABLE_HINT}")
+
+
+def async_wrong_type_error(result: Any) -> RuntimeError:
+    """torch's error for an ``@async_execution`` function that returned ``result``, no Future.
+
+    Example::
+
+        >>> str(async_wrong_type_error(1))[:62]
+        'Functions decorated with @rpc.async_function must return a tor'
+    """
+    return RuntimeError(
+        "Functions decorated with @rpc.async_function must return a "
+        f"torch.futures.Future object, but got {type(result)}"
+    )
+
+
+def print_user_error(exc: Exception, where: Any) -> None:
+    """Print the error that a user function raised on this callee to its ``sys.stderr``,
+    as torch's callee does (its caller gets the same text): the callee's log shows
+    which of its calls failed. ``where``: this worker's ``WorkerInfo``.
+    """
+    print(remote_error(exc, where)[1], file=sys.stderr)

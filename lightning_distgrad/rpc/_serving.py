@@ -16,9 +16,15 @@ from typing import Any
 
 import torch
 
-from .._compat import CFuture
+from .._compat import CFuture, find_builtin
 from . import _hooks, _server_profiler
-from ._errors import is_async_function, not_importable, remote_error
+from ._errors import (
+    async_wrong_type_error,
+    is_async_function,
+    not_importable,
+    print_user_error,
+    remote_error,
+)
 from ._profiling import profiling_key, run_recorded
 from ._remote_events import Recorder, recording_for_caller, split_profiled_request_body
 from ._rref_context import decode_confirmed
@@ -30,13 +36,13 @@ log = logging.getLogger("lightning_distgrad.rpc")
 
 
 def _decode_and_call(
-    payload: bytes, tensors: list, route: str, confirm: bool = True
+    payload: bytes, tensors: list, route: str, me: WorkerInfo, confirm: bool = True
 ) -> tuple[Callable, Any]:
-    """Run a request's function; returns (function, result). Under an active torch
-    profiler the run is recorded as ``rpc_serve#<function>(<route>)``. ``confirm``: RRefs
-    that users handed on are confirmed by their owners before the run (not for a
-    QUICK_REQUEST, an operator run by the thread that delivers frames, which must not
-    wait for one)."""
+    """Run a request's function on worker ``me``; returns (function, result). Under an
+    active torch profiler the run is recorded as ``rpc_serve#<function>(<route>)``.
+    ``confirm``: RRefs that users handed on are confirmed by their owners before the run
+    (not for a QUICK_REQUEST, an operator run by the thread that delivers frames, which
+    must not wait for one)."""
     # Only the unpickling is wrapped: the function's own errors reach the caller as raised.
     try:
         if confirm:
@@ -46,7 +52,23 @@ def _decode_and_call(
     except (ImportError, AttributeError) as e:
         raise not_importable(e) from e
     name = functools.partial(_serve_span, func, route)
-    return func, run_recorded(name, func, *args, **kwargs)
+    try:
+        return func, run_recorded(name, func, *args, **kwargs)
+    except Exception as e:
+        if not _is_operator(func):  # torch's callee prints Python functions' errors only
+            print_user_error(e, me)
+        elif isinstance(e, TypeError):  # arguments no schema takes: torch's error for them
+            raise RuntimeError(
+                f"Overloaded torch operator invoked from Python failed to match any schema: {e}"
+            ) from e
+        raise
+
+
+def _is_operator(func: Any) -> bool:
+    try:
+        return find_builtin(func) is not None
+    except Exception:
+        return False
 
 
 def _serve_span(func: Callable, route: str) -> tuple[str, None] | None:
@@ -100,6 +122,7 @@ class Serving:
                 frame.payload,
                 tensors,
                 self._route(source),
+                self.info,
                 frame.kind is not Kind.QUICK_REQUEST,
             ),
         )
@@ -153,20 +176,14 @@ class Serving:
         elif isinstance(result, CFuture):
             result.add_done_callback(lambda f: self._reply_future(source, frame.call_id, f, ctx_id))
         else:
-            self.reply_error(
-                source,
-                frame.call_id,
-                TypeError(
-                    "Functions decorated with @rpc.async_function must return a "
-                    f"torch.futures.Future object, but got {type(result)}"
-                ),
-            )
+            self.reply_error(source, frame.call_id, async_wrong_type_error(result))
 
     def run_operator(self, source: int, frame: Frame, tensors: list) -> None:
         """A torch operator with no autograd context: :meth:`run_request` minus the
         hooks (nothing to record, no context to switch: an operator makes no RPCs)."""
         try:
-            args = (_decode_and_call, frame.payload, tensors, self._route(source), False)
+            route = self._route(source)
+            args = (_decode_and_call, frame.payload, tensors, route, self.info, False)
             if _server_profiler.ranges:
                 _, result = _server_profiler.run_profiled(_hooks.with_grad, *args)
             else:
@@ -186,9 +203,14 @@ class Serving:
 
     def _reply(self, dst: int, call_id: int, ok: bool, value: Any, ctx_id=None) -> None:
         try:
-            if ok and type(value) is torch.Tensor and value.layout == torch.strided:
-                # The usual result, one plain tensor, needs no pickle: its frame has
-                # no payload.
+            if (
+                ok
+                and type(value) is torch.Tensor
+                and value.layout == torch.strided
+                and value.is_contiguous()
+            ):
+                # The usual result, one plain contiguous tensor, needs no pickle: its
+                # frame has no payload (a view's strides travel in the payload).
                 payload, tensors, pctx = None, [value], None
             else:
                 payload, tensors, pctx = encode_payload((ok, value), dst)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
+from .._compat import CFuture
 from . import _sparse
 
 if TYPE_CHECKING:
@@ -274,6 +275,10 @@ class PicklingContext:
         self.on_send = []
 
 
+class NotSendable(RuntimeError):
+    """An object that RPCs refuse to send, as torch's do (a Future), with torch's text."""
+
+
 def current_pickling_context() -> PicklingContext | None:
     """The message being pickled on this thread, or None outside RPC pickling."""
     return _local.ctx
@@ -296,14 +301,35 @@ def encode_payload(obj: Any, dst_id: int) -> tuple[bytes, list[torch.Tensor], Pi
         # _function_id).
         kind = type(o)
         if kind is not torch.Tensor and kind is not torch.nn.Parameter:
-            return _function_id(o) if kind is types.BuiltinFunctionType else None
+            if kind is types.BuiltinFunctionType:
+                return _function_id(o)
+            if isinstance(o, CFuture):
+                raise NotSendable(
+                    "Can not pickle torch.futures.Future: an RPC cannot send a Future; "
+                    "send its value once it is done (fut.wait())"
+                )
+            return None
         if o.layout is not torch.strided and o.layout not in _sparse.LAYOUTS:
             return None
         pid = pids.get(id(o))
         if pid is None:
-            tensors.append(o)
+            # A kept view travels as the stretch of storage it spans, rebuilt with its strides
+            # (only strided tensors have strides: sparse ones raise on is_contiguous).
+            strided = (
+                kind is torch.Tensor
+                and o.layout is torch.strided
+                and not o.is_contiguous()
+                and _keeps_strides(o)
+            )
+            tensors.append(_storage_span(o) if strided else o)
             index = len(tensors) - 1
-            pid = pids[id(o)] = index if kind is torch.Tensor else ("param", index, o.requires_grad)
+            if strided:
+                pid = ("view", index, tuple(o.shape), o.stride())
+            elif kind is torch.Tensor:
+                pid = index
+            else:
+                pid = ("param", index, o.requires_grad)
+            pids[id(o)] = pid
         return pid
 
     pickler = pickle.Pickler(buf, _PROTOCOL)
@@ -317,6 +343,30 @@ def encode_payload(obj: Any, dst_id: int) -> tuple[bytes, list[torch.Tensor], Pi
     return buf.getvalue(), tensors, ctx
 
 
+#: As torch's RPC: a view keeps its strides unless the storage it spans is this big and at
+#: least twice its own size; such a view travels as a contiguous copy instead.
+_RECOPY_MIN_BYTES = 8 * 1024
+
+
+def _span_elements(t: torch.Tensor) -> int:
+    """How many consecutive storage elements the non-empty strided tensor ``t`` covers."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+
+
+def _keeps_strides(t: torch.Tensor) -> bool:
+    """Whether the non-contiguous tensor ``t`` arrives with its strides, as torch's RPC
+    sends it: a view whose storage span is small or mostly its own elements."""
+    if t.numel() == 0:
+        return False
+    span = _span_elements(t)
+    return span * t.element_size() < _RECOPY_MIN_BYTES or span < 2 * t.numel()
+
+
+def _storage_span(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous view of the storage that ``t`` covers (no copy; differentiable)."""
+    return t.as_strided((_span_elements(t),), (1,), t.storage_offset())
+
+
 def decode_payload(data: bytes, tensors: list[torch.Tensor]) -> Any:
     """Inverse of :func:`encode_payload`, given the received tensor table."""
     params: dict[int, torch.Tensor] = {}
@@ -326,6 +376,10 @@ def decode_payload(data: bytes, tensors: list[torch.Tensor]) -> Any:
             return tensors[pid]
         if type(pid) is bytes:
             return _function(pid)
+        if pid[0] == "view":
+            _, index, shape, strides = pid
+            span = tensors[index]
+            return span.as_strided(shape, strides, span.storage_offset())
         _, index, requires_grad = pid
         if index not in params:
             t = tensors[index]

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-import re
+import contextlib
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from mpi4py import MPI
 
-from .._compat import register_atexit, set_profiler_node_id
-from . import _core, _hooks, _rref_context, _server_profiler, _shutdown, _wire
+from .._compat import register_atexit, set_profiler_node_id, torch_rpc_thread_local
+from . import _core, _hooks, _rendezvous, _rref_context, _server_profiler, _shutdown, _wire
 from . import rref as _rref
 from ._abort import abort_mpi_job
 from ._agent import Agent, WorkerInfo
 from ._core import UNSET_RPC_TIMEOUT
 from ._remote_events import watch_profilers
-from .options import BackendType, MPIRpcBackendOptions
+from ._worker_info import name_problem
+from .options import BackendType, MPIRpcBackendOptions, RpcBackendOptions
 from .rref import RRef
 
 __all__ = [
@@ -32,20 +34,7 @@ __all__ = [
     "RRef",
 ]
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]*$")
 _exit_hook_installed = False
-
-
-def _name_problem(name: Any) -> str | None:
-    if not isinstance(name, str):
-        return f"worker name must be a str, got {type(name).__name__}"
-    if not name:
-        return "Worker name must be non-empty"
-    if len(name) >= 128:
-        return f"Worker name must be shorter than 128 characters (got {len(name)})"
-    if not _NAME_RE.match(name):
-        return f"Worker name must match ^[A-Za-z0-9-_:]*$. (Got {name})"
-    return None
 
 
 def init_rpc(
@@ -61,11 +50,18 @@ def init_rpc(
     rank passed a malformed or duplicate name, or a rank/world size that
     disagrees with MPI; RPC then stays uninitialised and can be retried.
 
+    Every rank of the communicator must call it: a rank waits at most the RPC
+    timeout (``rpc_backend_options.rpc_timeout``, 60 s by default; 0: no limit)
+    for the others to arrive, then raises ``RuntimeError`` saying so, instead
+    of waiting forever. ``world_size=1`` starts RPC in this process alone
+    (its only worker is rank 0; the other ranks need not call ``init_rpc``).
+
     Args:
         name (str, optional): this worker's name, unique in the job (default ``worker{rank}``).
         backend (BackendType, optional): ``BackendType.MPI`` (``TENSORPIPE`` is an alias).
         rank (int): checked against the MPI rank when given (default -1: take MPI's).
-        world_size (int, optional): checked against the MPI size when given.
+        world_size (int, optional): checked against the MPI size when given; 1: this
+            process alone.
         rpc_backend_options (MPIRpcBackendOptions, optional): timeout, threads, communicator.
 
     Example::
@@ -86,19 +82,32 @@ def init_rpc(
         raise TypeError("Argument backend must be a member of BackendType")
     options = rpc_backend_options if rpc_backend_options is not None else MPIRpcBackendOptions()
     if not isinstance(options, MPIRpcBackendOptions):
-        raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
+        raise TypeError(_options_type_problem(options, backend))
     comm = options.comm if options.comm is not None else MPI.COMM_WORLD
+    job_size = comm.Get_size()
+    alone = world_size == 1 and job_size > 1
+    if alone:  # RPC in this process only: no other rank takes part
+        comm = MPI.COMM_SELF
     my_rank, size = comm.Get_rank(), comm.Get_size()
     name = f"worker{my_rank}" if name is None else name
     problems = []
-    if (p := _name_problem(name)) is not None:
+    if (p := name_problem(name)) is not None:
         problems.append(p)
     if rank not in (-1, None) and rank != my_rank:
-        problems.append(f"rank={rank} was passed but MPI says this process is rank {my_rank}")
+        problems.append(
+            f"rank={rank} was passed with world_size=1, whose only rank is 0"
+            if alone
+            else f"rank={rank} was passed but MPI says this process is rank {my_rank}"
+        )
     if world_size is not None and world_size != size:
-        problems.append(f"world_size={world_size} was passed but the MPI job has {size} ranks")
-    everyone = comm.allgather(
-        (name, problems, options.device_maps, (torch.__version__, _wire.DTYPE_TABLE))
+        problems.append(
+            f"world_size={world_size} was passed but the MPI job has {size} ranks "
+            "(world_size must be the MPI size, or 1 for RPC within this process alone)"
+        )
+    everyone = _rendezvous.exchange(
+        comm,
+        (name, problems, options.device_maps, (torch.__version__, _wire.DTYPE_TABLE)),
+        options.rpc_timeout,
     )
     first_torch = everyone[0][3]
     _raise_init_problems(
@@ -134,7 +143,20 @@ def init_rpc(
     # Current first, then receiving: requests from faster peers may arrive at once.
     _core.set_agent(agent)
     agent.start()
-    _install_exit_hooks(size)
+    _install_exit_hooks(job_size)
+
+
+def _options_type_problem(options: Any, backend: BackendType | None) -> str:
+    """torch's words for ``rpc_backend_options`` of the wrong type: not options at all, or
+    options of another agent, with or without a ``backend`` to check them against."""
+    ours = " (here MPIRpcBackendOptions, which TensorPipeRpcBackendOptions is an alias of)"
+    if not isinstance(options, RpcBackendOptions):
+        return f"Argument rpc_backend_options must be an instance of RpcBackendOptions{ours}"
+    if backend is None:
+        return f"Could not infer backend for options {options}{ours}"
+    return (
+        f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`{ours}. Got {type(options)}"
+    )
 
 
 def _torch_problems(torch_build: tuple, first: tuple) -> list[str]:
@@ -288,7 +310,43 @@ def rpc_async(
         >>> fut.wait()
         tensor([4., 4.])
     """
-    return _core.invoke(to, func, args, kwargs, timeout, user_visible=True, profile="async")
+    future = _core.invoke(to, func, args, kwargs, timeout, user_visible=True, profile="async")
+    # Each ``_wait_all()`` block this thread is in (ours, torch's) waits for it at its end.
+    torchs = torch_rpc_thread_local()
+    for local in {_thread_local_var, torchs} - {None}:
+        collecting = getattr(local, "future_list", None)
+        if collecting is not None:
+            collecting.append(future)
+    return future
+
+
+#: Where a ``_wait_all()`` block collects this thread's ``rpc_async`` futures: torch's own
+#: thread-local when torch's RPC API was imported first, so that its block and ours agree.
+_thread_local_var = torch_rpc_thread_local() or threading.local()
+
+
+@contextlib.contextmanager
+def _wait_all() -> Iterator[None]:
+    r"""As torch's private ``rpc.api._wait_all``: every ``rpc_async`` future made on this
+    thread inside the block is waited for at its end (``torch.futures.wait_all``: the
+    first failed call's error is raised).
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> with rpc.api._wait_all():
+        ...     fut = rpc.rpc_async("worker1", torch.add, (torch.ones(2), 1))
+        >>> fut.done()
+        True
+    """
+    _thread_local_var.future_list = []
+    try:
+        yield
+    finally:
+        try:
+            torch.futures.wait_all(_thread_local_var.future_list)
+        finally:
+            del _thread_local_var.future_list
 
 
 def remote(

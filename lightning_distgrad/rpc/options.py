@@ -42,7 +42,31 @@ def _to_device(d: Any) -> torch.device:
     return torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
 
 
-class MPIRpcBackendOptions:
+class RpcBackendOptions:
+    r"""The base class of RPC agents' options, as torch's: an RPC timeout and an init method.
+
+    ``init_rpc`` takes :class:`MPIRpcBackendOptions` (``TensorPipeRpcBackendOptions``);
+    options of another subclass are refused with torch's error.
+
+    Example::
+
+        >>> RpcBackendOptions().rpc_timeout
+        60.0
+    """
+
+    def __init__(
+        self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC, init_method: str | None = None
+    ):
+        try:
+            self.rpc_timeout = check_timeout(rpc_timeout, "rpc_timeout", unset_ok=False)
+        except TypeError as e:  # torch's words for a constructor argument of a wrong type
+            raise TypeError(
+                f"{type(self).__name__}: incompatible constructor arguments: {e}"
+            ) from None
+        self.init_method = init_method
+
+
+class MPIRpcBackendOptions(RpcBackendOptions):
     r"""Options of the MPI agent.
 
     Args:
@@ -89,9 +113,8 @@ class MPIRpcBackendOptions:
             raise ValueError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
         self.max_message_bytes = max_message_bytes
         self.num_worker_threads = num_worker_threads
-        self.rpc_timeout = check_timeout(rpc_timeout, "rpc_timeout", unset_ok=False)
+        super().__init__(rpc_timeout, init_method)
         self.comm = comm
-        self.init_method = init_method
         self.devices = [_to_device(d) for d in devices or []]
         self.device_maps: dict[str, dict[torch.device, torch.device]] = {}
         for to, mapping in (device_maps or {}).items():
@@ -113,4 +136,3 @@ class MPIRpcBackendOptions:
 
 
 TensorPipeRpcBackendOptions = MPIRpcBackendOptions
-RpcBackendOptions = MPIRpcBackendOptions

@@ -35,7 +35,13 @@ from .._compat import CFuture
 from . import _core, _hooks
 from ._agent import WorkerInfo
 from ._calls import UserFuture
-from ._errors import is_async_function, set_error, timeout_error
+from ._errors import (
+    async_wrong_type_error,
+    is_async_function,
+    print_user_error,
+    set_error,
+    timeout_error,
+)
 from ._profiling import run_recorded
 from ._rref_context import (
     ForkChange,
@@ -83,10 +89,16 @@ def _create_owner_value(rref_id, func: Callable, args: tuple, kwargs: dict) -> t
     try:
         result = func(*args, **kwargs)
     except BaseException as e:
+        if isinstance(e, Exception) and not _core.is_builtin(func):
+            print_user_error(e, _core.require_agent().info)  # as a call's callee does
         finish(error=e)
         return done
+    if is_async_function(func) and not isinstance(result, CFuture):
+        # Not raised here: the RRef's value fails, and to_here() raises it, as torch's.
+        finish(error=async_wrong_type_error(result))
+        return done
     # CFuture: ``then()``/``collect_all()`` return the C base class.
-    if is_async_function(func) and isinstance(result, CFuture):
+    if is_async_function(func):
 
         def on_done(f: torch.futures.Future) -> None:
             try:
@@ -266,6 +278,7 @@ class RRef(Generic[T]):
     __slots__ = ("_entry", "_user", "_creation", "_context", "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None):
+        _core.require_agent(_core.AGENT_NOT_SET)
         context = _require_context()
         entry = context.new_entry()
         entry.future.set_result(value)
