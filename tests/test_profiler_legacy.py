@@ -213,6 +213,7 @@ def test_a_range_left_open_ends_with_its_rpc_session(rpc_stopped):
     rpc.init_rpc()
     # The next session serves its requests unprofiled, and its ranges start afresh.
     assert not _server_profiler.ranges
+    rpc_stopped.barrier()  # before any rank opens a range on its peer in this session
     profile = rpc.remote(peer, rpc._server_process_global_profile)
     profile.rpc_sync().__enter__()
     rpc.rpc_sync(peer, torch.add, (torch.ones(1), 1))
