@@ -36,9 +36,11 @@ from typing import Any
 import torch
 
 from . import _devices, _hooks
+from ._abort import abort_mpi_job
 from ._calls import Deadlines, Pending, UserFuture, Waiter, future_done
 from ._errors import rebuild_error, set_error, timeout_error
 from ._one_way import HANDLERS
+from ._peer_watch import PeerWatch, node_peers
 from ._profiling import expect_remote_events, span_until
 from ._serving import Serving
 from ._transport import Transport
@@ -112,6 +114,7 @@ class Agent:
             limits=limits,
             transfer_timeout=transfer_timeout,
         )
+        self._peer_watch = PeerWatch(node_peers(comm), self._on_peer_lost)
         self._deadlines = Deadlines(self.transport, self._pending, self._expire_call)
         self.serving = Serving(
             infos,
@@ -127,6 +130,19 @@ class Agent:
         """Start receiving. Call once this agent is the current one: requests from
         faster peers may arrive at once, and they need it."""
         self.transport.start()
+        self._peer_watch.start()
+
+    def _on_peer_lost(self, rank: int) -> None:
+        """A rank of this node ended. Once it joined a graceful shutdown it may (the drain
+        that follows has its own bounds); before, the job cannot go on without it."""
+        with self._joined_changed:
+            if rank in self._joined:
+                return
+        abort_mpi_job(
+            f"lightning_distgrad: {self.infos[rank].name} (rank {rank}) ended without "
+            f"shutting down RPC (killed, crashed or exited); {self.info.name} aborts the "
+            "MPI job so that no rank waits for it.\n"
+        )
 
     # -- sending ----------------------------------------------------------------
 
@@ -538,6 +554,7 @@ class Agent:
 
     def stop(self, wait: bool = True, flush_timeout: float = 5.0) -> None:
         """Stop threads and free communicators; ``wait``: for running handlers too."""
+        self._peer_watch.close()  # peers may end from now on
         self._pool.shutdown(wait=wait, cancel_futures=True)
         self._callbacks.shutdown(wait=wait, cancel_futures=True)
         self.transport.stop(flush_timeout)
