@@ -226,7 +226,7 @@ def fuzz_frames(seed: int, count: int) -> list[tuple[bytes, list]]:
 
 def test_a_thousand_fuzzed_frames_leave_the_agent_serving(rpc_world, monkeypatch):
     """Seeded fuzz through the real send path; then normal calls work both ways, and
-    graceful shutdown still drains (every frame is counted on both sides)."""
+    graceful shutdown still drains."""
     world = rpc_world
     transport = _core.require_agent().transport
     monkeypatch.setattr(transport._receiver, "transfer_timeout", 1.0)
