@@ -126,10 +126,11 @@ def test_sigterm_to_the_launcher_ends_the_job(start):
     running.ends_within_bound(pids)
 
 
-def test_a_killed_rank_ends_the_job(start):
+@pytest.mark.parametrize("rank", [1, 2], ids=["trainer", "server already in shutdown"])
+def test_a_killed_rank_ends_the_job(start, rank):
     running = start("rpc-sigkill-rank")
     pids = running.wait_training()
-    os.kill(pids[1], signal.SIGKILL)
+    os.kill(pids[rank], signal.SIGKILL)
     running.ends_within_bound(pids)
 
 

@@ -92,6 +92,9 @@ class Agent:
         self._flushes_sent = 0
         self._flushed = [0] * len(infos)
         self._flushed_changed = threading.Condition()
+        # Peers of this node that ended while they may have finished shutting down.
+        self._peers_may_end = False
+        self._ended: list[int] = []
         self._queued = 0  # requests waiting for a worker thread
         self._count_lock = threading.Lock()
         # Threads that wait for served one-way frames, by waiter key (see waiting_for).
@@ -133,11 +136,26 @@ class Agent:
         self._peer_watch.start()
 
     def _on_peer_lost(self, rank: int) -> None:
-        """A rank of this node ended. Once it joined a graceful shutdown it may (the drain
-        that follows has its own bounds); before, the job cannot go on without it."""
-        with self._joined_changed:
-            if rank in self._joined:
+        """A rank of this node ended: the job cannot go on without it. While a graceful
+        shutdown's round that may be its last runs, the rank may have finished it: that
+        round's outcome decides (see :meth:`peers_may_end`)."""
+        with self._count_lock:
+            if self._peers_may_end:
+                self._ended.append(rank)
                 return
+        self._abort_lost(rank)
+
+    def peers_may_end(self, may: bool) -> None:
+        """True: peers that end from now on may have finished shutting down (this worker
+        is in a drain round that may be the last). False: the round was not the last, so
+        none may have; one that ended meanwhile aborts the job now."""
+        with self._count_lock:
+            self._peers_may_end = may
+            ended, self._ended = self._ended, []
+        if ended and not may:
+            self._abort_lost(ended[0])
+
+    def _abort_lost(self, rank: int) -> None:
         abort_mpi_job(
             f"lightning_distgrad: {self.infos[rank].name} (rank {rank}) ended without "
             f"shutting down RPC (killed, crashed or exited); {self.info.name} aborts the "

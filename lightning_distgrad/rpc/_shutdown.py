@@ -123,11 +123,15 @@ def _wait_quiescent(agent: Agent, deadline: float | None, timeout: float) -> Non
         agent.flush(round_)
         _wait_for_flushes(agent, round_, deadline, timeout)
         quiet = agent.idle() and agent.activity() == before
+        # Only a round that every worker found quiet is the last; once a worker has seen
+        # its outcome it may stop and its process end before this one sees it.
+        agent.peers_may_end(quiet)
         totals = agent.transport.allreduce_sum([0 if quiet else 1], _limit(agent, deadline))
         if totals is None:
             _stopped_answering(agent, deadline, timeout, "the workers")
         if totals[0] == 0:
             return
+        agent.peers_may_end(False)
         time.sleep(min(_CHECK_S, 0.0005 * 2**round_))  # work still runs somewhere
 
 
