@@ -247,9 +247,11 @@ def slow_add(seconds, x):
 
 def send_past_the_agent(comm, seed: int, count: int) -> None:
     """``count`` frames to random ranks by plain MPI sends on ``comm`` (the agent's frame
-    communicator): no agent counts them as sent. Random bytes of many sizes and fuzzed
-    frames (without their tensor bytes), on random tags, small ones (those the agents'
-    own frames use) included."""
+    communicator): no agent counts them as sent. Random bytes of many sizes on random
+    tags, small ones (those the agents' own frames use) included, and fuzzed frames
+    (without their tensor bytes) on tags far above those: a readable frame that declares
+    tensor bytes posts a receive for them under its tag, which would take the bytes of a
+    real frame of the same tag."""
     rng = random.Random(seed)
     tag_ub = comm.Get_attr(MPI.TAG_UB)
     fuzzed = [raw for raw, _ in fuzz_frames(seed, count)]
@@ -257,9 +259,10 @@ def send_past_the_agent(comm, seed: int, count: int) -> None:
     for i in range(count):
         if i % 2:
             raw = fuzzed[i]
+            tag = rng.randrange(tag_ub // 2, tag_ub + 1)
         else:
             raw = rng.randbytes(rng.choice([0, 1, 9, 200, 4096, 70_000]))
-        tag = rng.randrange(16) if rng.random() < 0.5 else rng.randrange(tag_ub + 1)
+            tag = rng.randrange(16) if rng.random() < 0.5 else rng.randrange(tag_ub + 1)
         keep.append(raw)
         requests.append(comm.Isend([raw, MPI.BYTE], rng.randrange(comm.Get_size()), tag))
     wait_all(*requests)
