@@ -43,6 +43,18 @@ def mpi_job(
 ) -> JobResult:
     """Run ``argv`` on ``n`` ranks under this interpreter's MPI launcher; the launcher
     kills a hung job 5 s before ``timeout_s``, :func:`mpi_launch.run_job` at ``timeout_s``."""
+    return start_mpi_job(n, argv, timeout_s, cwd, extra_env).wait(timeout_s)
+
+
+def start_mpi_job(
+    n: int,
+    argv: Sequence[str],
+    timeout_s: float,
+    cwd: str | Path,
+    extra_env: Mapping[str, str] | None = None,
+) -> mpi_launch.Job:
+    """Start ``argv`` on ``n`` ranks (see :func:`mpi_job`) and return at once; wait for it
+    with ``job.wait(timeout_s)``."""
     cmd, launch_env = mpi_launch.command(LAUNCHER, n, list(argv), timeout_s=int(timeout_s) - 5)
     env = clean_env({**launch_env, **(extra_env or {})})
-    return mpi_launch.run_job(cmd, timeout_s=timeout_s, cwd=cwd, env=env)
+    return mpi_launch.Job(cmd, cwd=cwd, env=env)

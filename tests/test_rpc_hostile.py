@@ -3,20 +3,25 @@
 Rank 0 sends every frame through the transport's real send path (``send_raw``)
 to rank 1, whose agent must neither abort nor let the frame surface in an
 unrelated call. A malformed request is answered with an error saying what was
-wrong; anything else is dropped with one log line naming the sender.
+wrong; anything else is dropped with one log line naming the sender. Frames
+sent past the agent, by plain MPI sends on its communicator, must not keep a
+graceful shutdown from ending.
 """
 
 from __future__ import annotations
 
 import pickle
 import random
+import threading
 import time
 
 import pytest
 import torch
 from _dist_utils import wait_until
+from mpi4py import MPI
 
 from lightning_distgrad import rpc
+from lightning_distgrad._mpi_wait import wait_all
 from lightning_distgrad.rpc import _core, _wire
 from lightning_distgrad.rpc._wire import Kind
 
@@ -225,7 +230,7 @@ def fuzz_frames(seed: int, count: int) -> list[tuple[bytes, list]]:
 
 def test_a_thousand_fuzzed_frames_leave_the_agent_serving(rpc_world, monkeypatch):
     """Seeded fuzz through the real send path; then normal calls work both ways, and
-    graceful shutdown still drains (every frame is counted on both sides)."""
+    graceful shutdown still drains."""
     world = rpc_world
     transport = _core.require_agent().transport
     monkeypatch.setattr(transport._receiver, "transfer_timeout", 1.0)
@@ -237,3 +242,63 @@ def test_a_thousand_fuzzed_frames_leave_the_agent_serving(rpc_world, monkeypatch
     assert answers_normally(world)
     assert wait_until(lambda: not transport._receiver.incoming, timeout=30)
     assert answers_normally(world)
+
+
+def slow_add(seconds, x):
+    time.sleep(seconds)
+    return x + 1
+
+
+def send_past_the_agent(comm, seed: int, count: int) -> None:
+    """``count`` frames to random ranks by plain MPI sends on ``comm`` (the agent's frame
+    communicator): no agent counts them as sent. Random bytes of many sizes on random
+    tags, small ones (those the agents' own frames use) included, and fuzzed frames
+    (without their tensor bytes) on tags far above those: a readable frame that declares
+    tensor bytes posts a receive for them under its tag, which would take the bytes of a
+    real frame of the same tag."""
+    rng = random.Random(seed)
+    tag_ub = comm.Get_attr(MPI.TAG_UB)
+    fuzzed = [raw for raw, _ in fuzz_frames(seed, count)]
+    requests, keep = [], []
+    for i in range(count):
+        if i % 2:
+            raw = fuzzed[i]
+            tag = rng.randrange(tag_ub // 2, tag_ub + 1)
+        else:
+            raw = rng.randbytes(rng.choice([0, 1, 9, 200, 4096, 70_000]))
+            tag = rng.randrange(16) if rng.random() < 0.5 else rng.randrange(tag_ub + 1)
+        keep.append(raw)
+        requests.append(comm.Isend([raw, MPI.BYTE], rng.randrange(comm.Get_size()), tag))
+    wait_all(*requests)
+
+
+def test_graceful_shutdown_ends_after_frames_no_agent_sent(rpc_stopped, monkeypatch):
+    """Frames that bypass every agent's count, before and during shutdown: calls still
+    work, a call still running when shutdown starts is answered, and graceful shutdown
+    returns on every rank."""
+    world = rpc_stopped
+    rpc.init_rpc()
+    agent = _core.require_agent()
+    monkeypatch.setattr(agent.transport._receiver, "transfer_timeout", 1.0)
+    send_past_the_agent(agent.transport.ctrl, seed=world.rank, count=300)
+    world.barrier()
+    for distance in range(world.size):
+        assert answers_normally_to(world.peer(distance))
+    running = rpc.rpc_async(world.peer(), slow_add, (0.5, world.rank))
+    # No barrier: these land while the job drains.
+    send_past_the_agent(agent.transport.ctrl, seed=1000 + world.rank, count=100)
+    returned = threading.Event()
+
+    def shut_down() -> None:
+        rpc.shutdown()
+        returned.set()
+
+    thread = threading.Thread(target=shut_down, daemon=True)
+    thread.start()
+    thread.join(60)  # a hung shutdown fails the test, which aborts the job
+    assert returned.is_set(), "graceful shutdown did not return"
+    assert running.done() and running.wait() == world.rank + 1
+
+
+def answers_normally_to(worker: str) -> bool:
+    return torch.equal(rpc.rpc_sync(worker, torch.add, (torch.ones(2), 1)), torch.full((2,), 2.0))

@@ -15,10 +15,10 @@ Frames are routed by their :class:`~._wire.Kind`:
   answers. Bookkeeping ones are applied on arrival, in order; served ones run
   like requests, on the thread that waits for them where there is one.
 
-Every REQUEST and one-way frame is counted when sent and when processed; a
-graceful shutdown ends when the global counts match twice in a row with no
-call pending anywhere (a four-counter termination detection), so no request
-or response is lost (see ``_shutdown``).
+Every frame is counted when sent, when handed to the agent and when its handling
+ended; a graceful shutdown ends after a round of FLUSH markers in which no rank
+sent or handled anything and every rank is idle, so no request or response is
+lost (see ``_shutdown``).
 """
 
 from __future__ import annotations
@@ -36,9 +36,11 @@ from typing import Any
 import torch
 
 from . import _devices, _hooks
+from ._abort import abort_mpi_job
 from ._calls import Deadlines, Pending, UserFuture, Waiter, future_done
 from ._errors import rebuild_error, set_error, timeout_error
 from ._one_way import HANDLERS
+from ._peer_watch import PeerWatch, node_peers
 from ._profiling import span_until
 from ._remote_events import expect_remote_events, profiled_request_body
 from ._serving import Serving
@@ -85,7 +87,17 @@ class Agent:
         self._on_arrival = on_arrival
         self._ids = itertools.count()
         self._pending: dict[int, Pending] = {}
-        self._processed = 0  # frames whose handling ended (see counts)
+        # Termination detection (see ``_shutdown``): frames handed to this agent, frames
+        # whose handling ended, FLUSH frames sent (not activity), and per rank the last
+        # FLUSH round heard from it.
+        self._arrived = 0
+        self._processed = 0
+        self._flushes_sent = 0
+        self._flushed = [0] * len(infos)
+        self._flushed_changed = threading.Condition()
+        # Peers of this node that ended while they may have finished shutting down.
+        self._peers_may_end = False
+        self._ended: list[int] = []
         self._queued = 0  # requests waiting for a worker thread
         self._count_lock = threading.Lock()
         # Threads that wait for served one-way frames, by waiter key (see waiting_for).
@@ -104,10 +116,11 @@ class Agent:
         self.transport = Transport(
             comm,
             self._on_frame,
-            self._on_malformed,
+            self._on_unreadable,
             limits=limits,
             transfer_timeout=transfer_timeout,
         )
+        self._peer_watch = PeerWatch(node_peers(comm), self._on_peer_lost)
         self._deadlines = Deadlines(self.transport, self._pending, self._expire_call)
         self.serving = Serving(
             infos,
@@ -123,6 +136,34 @@ class Agent:
         """Start receiving. Call once this agent is the current one: requests from
         faster peers may arrive at once, and they need it."""
         self.transport.start()
+        self._peer_watch.start()
+
+    def _on_peer_lost(self, rank: int) -> None:
+        """A rank of this node ended: the job cannot go on without it. While a graceful
+        shutdown's round that may be its last runs, the rank may have finished it: that
+        round's outcome decides (see :meth:`peers_may_end`)."""
+        with self._count_lock:
+            if self._peers_may_end:
+                self._ended.append(rank)
+                return
+        self._abort_lost(rank)
+
+    def peers_may_end(self, may: bool) -> None:
+        """True: peers that end from now on may have finished shutting down (this worker
+        is in a drain round that may be the last). False: the round was not the last, so
+        none may have; one that ended meanwhile aborts the job now."""
+        with self._count_lock:
+            self._peers_may_end = may
+            ended, self._ended = self._ended, []
+        if ended and not may:
+            self._abort_lost(ended[0])
+
+    def _abort_lost(self, rank: int) -> None:
+        abort_mpi_job(
+            f"lightning_distgrad: {self.infos[rank].name} (rank {rank}) ended without "
+            f"shutting down RPC (killed, crashed or exited); {self.info.name} aborts the "
+            "MPI job so that no rank waits for it.\n"
+        )
 
     # -- sending ----------------------------------------------------------------
 
@@ -236,13 +277,19 @@ class Agent:
         with self._count_lock:
             self._processed += 1
 
-    def counts(self) -> list[int]:
-        """[frames sent, frames handled] for termination detection: every frame, even
-        a malformed one, is counted once by its sender and once by its receiver when
-        its handling ended (after any frame that handling sent)."""
+    def activity(self) -> int:
+        """Frames sent (FLUSH markers aside) plus frames whose handling ended: unchanged
+        over a shutdown round only if this worker did nothing in it (see ``_shutdown``)."""
         sent = self.transport.frames_sent()
         with self._count_lock:
-            return [sent, self._processed]
+            return sent - self._flushes_sent + self._processed
+
+    def idle(self) -> bool:
+        """No call of this worker waits for its response and every frame handed to it,
+        even a malformed one, has been handled (a handler ends after what it sent)."""
+        with self._count_lock:
+            handling = self._arrived != self._processed
+        return not (handling or self._pending or self.transport.has_queued())
 
     def _expire_call(self, call_id: int) -> None:
         pending = self._pending.pop(call_id, None)
@@ -252,6 +299,11 @@ class Agent:
     # -- receiving (the polling thread) ---------------------------------------------
 
     def _on_frame(self, source: int, frame: Frame, tensors: list) -> None:
+        if frame.kind is Kind.FLUSH:
+            self._on_flush(source, frame, tensors)
+            return
+        with self._count_lock:
+            self._arrived += 1
         if frame.forks:
             self._on_arrival(source, frame)
         kind = frame.kind
@@ -330,6 +382,12 @@ class Agent:
                 self.transport.busy(-1)
 
         self._pool.submit(run)
+
+    def _on_unreadable(self, source: int, error: MalformedFrame) -> None:
+        """A frame the transport could not read, handed over in its place in the order."""
+        with self._count_lock:
+            self._arrived += 1
+        self._on_malformed(source, error)
 
     def _on_malformed(self, source: int, error: MalformedFrame) -> None:
         """A frame this worker cannot read: answer its call when it has one, else log."""
@@ -478,6 +536,39 @@ class Agent:
             if info.id != self.info.id:
                 self.transport.send(info.id, Frame(Kind.JOIN, -1, None), [])
 
+    def flush(self, round_: int) -> None:
+        """Send FLUSH(``round_``) to every worker, this one included, after everything
+        this worker sent them before."""
+        with self._count_lock:
+            self._flushes_sent += len(self.infos)
+        for info in self.infos:
+            self.transport.send(info.id, Frame(Kind.FLUSH, -1, None, (), (round_,)), [])
+
+    def not_flushed(self, round_: int, wait: float = 0.0) -> list[int]:
+        """The ranks whose FLUSH(``round_``) has not arrived yet, after waiting up to
+        ``wait`` s for that list to change."""
+        with self._flushed_changed:
+            missing = [r for r, last in enumerate(self._flushed) if last < round_]
+            if missing and wait > 0:
+                self._flushed_changed.wait(wait)
+                missing = [r for r in missing if self._flushed[r] < round_]
+            return missing
+
+    def _on_flush(self, source: int, frame: Frame, tensors: list) -> None:
+        """Each worker's FLUSH rounds arrive in order, one after the other; any other
+        FLUSH frame was not sent by an agent, and is dropped as malformed."""
+        expected = self._flushed[source] + 1
+        body = frame.body
+        is_next = type(body) is tuple and len(body) == 1 and type(body[0]) is int
+        if not is_next or body[0] != expected or tensors or frame.forks or frame.payload:
+            error = MalformedFrame(f"a FLUSH frame other than round {expected}", frame)
+            error.source = source
+            self._on_unreadable(source, error)
+            return
+        with self._flushed_changed:
+            self._flushed[source] = expected
+            self._flushed_changed.notify_all()
+
     def not_joined(self, wait: float = 0.0) -> list[int]:
         """The other ranks that have not joined yet, after waiting up to ``wait`` s for
         that list to change."""
@@ -493,6 +584,7 @@ class Agent:
         """Stop threads and free communicators; ``wait``: for running handlers too;
         ``drained``: every rank's frames were all handled (a graceful shutdown), so
         nothing can still arrive on the communicators (see ``Transport.free``)."""
+        self._peer_watch.close()  # peers may end from now on
         self._pool.shutdown(wait=wait, cancel_futures=True)
         self._callbacks.shutdown(wait=wait, cancel_futures=True)
         self.transport.stop(flush_timeout)

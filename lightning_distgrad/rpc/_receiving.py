@@ -81,6 +81,7 @@ class Receiver:
         self.answered: list[int] = []
         self._buffers = ReceiveBufferPool()
         self._status = MPI.Status()
+        self._scratch = bytearray(1)
 
     def poll(self, ready: collections.deque) -> bool:
         """Take new frames, test transfers; True if anything moved."""
@@ -125,7 +126,10 @@ class Receiver:
             progressed = True
             source, tag = status.Get_source(), status.Get_tag()
             raw = bytearray(status.Get_count(MPI.BYTE))
-            message.Recv([raw, MPI.BYTE])
+            # An empty frame (only a peer that is no agent sends one) is received into a
+            # scratch byte: an empty bytearray handed to MPI here could be left marked as
+            # exported, and freeing it then raises SystemError.
+            message.Recv([raw, MPI.BYTE] if raw else [self._scratch, 0, MPI.BYTE])
             received = self.received_from[source]
             received[0] += 1
             received[1] += len(raw)

@@ -84,7 +84,7 @@ class Serving:
     Owned by the agent, which hands it requests on the thread that should run them.
     ``devices(tensors, dst, reply=True)`` gives a reply's tensor devices on ``dst``;
     ``send_one_way`` carries a profiled call's events back; ``count_processed`` counts
-    a request as handled, once its response is sent (see ``Agent.counts``).
+    a request as handled, once its response is sent (see ``Agent.idle``).
     """
 
     def __init__(

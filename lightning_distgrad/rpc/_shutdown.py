@@ -1,8 +1,8 @@
 """Graceful shutdown, bounded: every worker joins, then the job drains to quiescence.
 
 Each worker sends JOIN to every other one and waits until it has heard from
-all. Then user RRefs are released and the agents count the frames sent and
-processed (an allreduce per round) until two rounds agree with nothing pending.
+all. Then user RRefs are released and the job drains in rounds until one finds
+nothing left anywhere (see :func:`_wait_quiescent`).
 
 With a ``timeout`` every stage shares that deadline and a miss raises, naming
 the workers that did not join. Without one, workers may take as long as they
@@ -96,8 +96,20 @@ def _wait_for_joins(agent: Agent, deadline: float | None) -> list[int]:
 
 
 def _wait_quiescent(agent: Agent, deadline: float | None, timeout: float) -> None:
-    """Return once every request in the job is answered (termination detection)."""
-    previous = None
+    """Return once every frame sent in the job has been handled (termination detection).
+
+    In each round every worker sends FLUSH(round) to every worker and waits for all of
+    theirs. MPI hands over the frames of one sender on one communicator in the order
+    they were sent, so once every FLUSH has come, every frame sent before it has been
+    handed to its agent. A round in which no worker sent or handled a frame (FLUSHes
+    aside), and at whose end every worker is idle, leaves nothing to do anywhere: any
+    later frame would have to be sent by a handler that did not run.
+
+    No worker compares its count of frames received with the others' counts of frames
+    sent: a frame no agent sent (bytes put on the communicator by other code) is
+    handled or dropped like any other and cannot keep the job from ending.
+    """
+    round_ = 0
     while True:
         while agent.num_pending() or agent.transport.has_queued():
             if deadline is not None and time.monotonic() > deadline:
@@ -106,19 +118,44 @@ def _wait_quiescent(agent: Agent, deadline: float | None, timeout: float) -> Non
                     f"{agent.num_pending()} RPCs still pending"
                 )
             time.sleep(0.0005)
-        if deadline is not None:
-            limit = max(0.0, deadline - time.monotonic())
-        else:
-            limit = agent.timeout if agent.timeout > 0 else None
-        totals = agent.transport.allreduce_sum(agent.counts(), limit)
+        round_ += 1
+        before = agent.activity()
+        agent.flush(round_)
+        _wait_for_flushes(agent, round_, deadline, timeout)
+        quiet = agent.idle() and agent.activity() == before
+        # Only a round that every worker found quiet is the last; once a worker has seen
+        # its outcome it may stop and its process end before this one sees it.
+        agent.peers_may_end(quiet)
+        totals = agent.transport.allreduce_sum([0 if quiet else 1], _limit(agent, deadline))
         if totals is None:
-            message = (
-                f"shutdown on {agent.info.name}: the workers stopped answering while "
-                "the job drained its last messages"
-            )
-            if deadline is not None:
-                raise ShutdownTimeout(f"{message} (timeout {timeout:g} s)")
-            abort_mpi_job(f"lightning_distgrad: {message}; aborting the MPI job.\n")
-        if totals[0] == totals[1] and totals == previous:
+            _stopped_answering(agent, deadline, timeout, "the workers")
+        if totals[0] == 0:
             return
-        previous = totals
+        agent.peers_may_end(False)
+        time.sleep(min(_CHECK_S, 0.0005 * 2**round_))  # work still runs somewhere
+
+
+def _limit(agent: Agent, deadline: float | None) -> float | None:
+    """How long a drain step may wait: to the deadline, else the RPC timeout (None: ever)."""
+    if deadline is not None:
+        return max(0.0, deadline - time.monotonic())
+    return agent.timeout if agent.timeout > 0 else None
+
+
+def _wait_for_flushes(agent: Agent, round_: int, deadline: float | None, timeout: float) -> None:
+    limit = _limit(agent, deadline)
+    end = None if limit is None else time.monotonic() + limit
+    while missing := agent.not_flushed(round_, _CHECK_S):
+        if end is not None and time.monotonic() >= end:
+            _stopped_answering(agent, deadline, timeout, _names(agent, missing))
+
+
+def _stopped_answering(agent: Agent, deadline: float | None, timeout: float, who: str) -> None:
+    """Raise ShutdownTimeout with a deadline; abort the job without one."""
+    message = (
+        f"shutdown on {agent.info.name}: {who} stopped answering while "
+        "the job drained its last messages"
+    )
+    if deadline is not None:
+        raise ShutdownTimeout(f"{message} (timeout {timeout:g} s)")
+    abort_mpi_job(f"lightning_distgrad: {message}; aborting the MPI job.\n")

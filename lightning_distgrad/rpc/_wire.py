@@ -91,6 +91,7 @@ class Kind(enum.IntEnum):
     PROFILED_REQUEST = 8  # a REQUEST whose caller profiles: its callee records the run
     REMOTE_EVENTS = 9  # what the callee recorded of a PROFILED_REQUEST, sent before its RESPONSE
     RREF_CONFIRM = 10  # RRef bookkeeping: the owner registered the receiver's fork
+    FLUSH = 11  # graceful shutdown: a round's marker, after every frame its sender sent before
 
 
 #: Kinds that are answered by a RESPONSE (a malformed one is answered with an error).

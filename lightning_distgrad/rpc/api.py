@@ -14,7 +14,7 @@ from mpi4py import MPI
 from .._compat import register_atexit, set_profiler_node_id, torch_rpc_thread_local
 from . import _core, _hooks, _rendezvous, _rref_context, _server_profiler, _shutdown, _wire
 from . import rref as _rref
-from ._abort import abort_mpi_job
+from ._abort import abort_mpi_job, end_job_on_sigterm
 from ._agent import Agent, WorkerInfo
 from ._core import UNSET_RPC_TIMEOUT
 from ._remote_events import watch_profilers
@@ -193,6 +193,7 @@ def _install_exit_hooks(size: int) -> None:
     # MPI_Finalize), so peers still get their answers.
     register_atexit(_shutdown_at_exit)
     if size > 1:
+        end_job_on_sigterm()
         previous = sys.excepthook
 
         def abort_job(exc_type, exc, tb):
