@@ -123,13 +123,25 @@ def _is_torch_rpc(value: object) -> bool:
 
 def _rebind(module: types.ModuleType) -> None:
     for key, value in list(vars(module).items()):
-        if key.startswith("__") or not _is_torch_rpc(value):
+        if key.startswith("__"):
             continue
-        ours = _ours_for(value)
-        if ours is None:
-            UNBOUND.append(f"{module.__name__.rsplit('.', 1)[-1]}.{key}")
-        else:
-            setattr(module, key, ours)
+        if isinstance(value, type) and value.__module__ == module.__name__:
+            _rebase(module, key, value)
+        elif _is_torch_rpc(value):
+            ours = _ours_for(value)
+            if ours is None:
+                UNBOUND.append(f"{module.__name__.rsplit('.', 1)[-1]}.{key}")
+            else:
+                setattr(module, key, ours)
+
+
+def _rebase(module: types.ModuleType, key: str, cls: type) -> None:
+    """A test module's class derived from one of torch's RPC classes (``class
+    FooBackendOptions(rpc.RpcBackendOptions)``) is made again on ours."""
+    bases = tuple(_ours_for(b) or b if _is_torch_rpc(b) else b for b in cls.__bases__)
+    if bases != cls.__bases__:
+        body = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+        setattr(module, key, type(cls)(cls.__name__, bases, body))
 
 
 def _redirect_torch_modules() -> None:
@@ -183,6 +195,8 @@ def load(bind: bool = True) -> dict[str, SuiteClass]:
     run them against torch's own agent).
     """
     use_expecttest_standin()
+    # Not the "to reproduce, run python test/..." footer: these tests are not run that way.
+    os.environ.setdefault("PYTORCH_PRINT_REPRO_ON_FAILURE", "0")
     import torch
     import torch.distributed.autograd
     import torch.distributed.nn

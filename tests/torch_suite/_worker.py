@@ -29,6 +29,9 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))
 import _suite  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+#: torch.distributed.rpc.constants.DEFAULT_RPC_TIMEOUT_SEC
+DEFAULT_RPC_TIMEOUT_S = 60.0
+
 
 def _polite_barrier(comm: MPI.Comm) -> None:
     # MPICH spins in blocking calls; with more ranks than cores that starves the others.
@@ -76,6 +79,8 @@ def _settle() -> str:
     if running:
         notes.append("RPC was still running after the test: shut it down (graceful)")
         try:
+            # A test may have left a tiny timeout set, which would fail the shutdown.
+            rpc._set_rpc_timeout(DEFAULT_RPC_TIMEOUT_S)
             rpc.shutdown(graceful=True)
         except Exception as e:  # noqa: BLE001  (reported, then the next test runs)
             notes.append(f"shutdown raised {type(e).__name__}: {e}")
