@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import itertools
 import json
 import os
 import re
@@ -64,6 +65,8 @@ KNOWN_FAILURES = HERE / "known_failures.txt"
 EXCLUSION_KINDS = ("internal", "torchscript", "dynamic-membership", "fast-mode")
 #: Outcomes that are not a pass (a skip is neither).
 FAILED = ("fail", "hang", "crash")
+#: Job numbers, unique in a run: a job's records and logs are named after it.
+_JOB_NUMBERS = itertools.count(1)
 
 
 @dataclass
@@ -192,10 +195,8 @@ def run_class(
     """Run ``tests`` of one class in as few jobs as hangs and crashes allow."""
     results: list[Result] = []
     remaining = list(tests)
-    job_number = 0
     while remaining:
-        job_number += 1
-        name = f"{class_name}.job{job_number}"
+        name = f"{class_name}.job{next(_JOB_NUMBERS)}"
         prefix = str(out / name)
         Path(prefix + ".tests.json").write_text(json.dumps(remaining))
         argv = [
@@ -345,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         "--include-excluded", action="store_true", help="also run the tests on excluded.txt"
     )
     parser.add_argument(
+        "--alone",
+        action="store_true",
+        help="run each test in a job of its own (slow: a job starts in about 30 s)",
+    )
+    parser.add_argument(
         "--no-lists",
         action="store_true",
         help="report only: known_failures.txt does not change the exit code",
@@ -391,9 +397,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
             else:
                 to_run.append(test)
-        if to_run:
+        # --alone: each test in a job of its own, as torch runs it (a fresh process).
+        for batch in [[t] for t in to_run] if opts.alone else [to_run] if to_run else []:
             results.extend(
-                run_class(class_name, suite_class.world_size, to_run, opts, out, launcher)
+                run_class(class_name, suite_class.world_size, batch, opts, out, launcher)
             )
     for r in results:
         if r.test in lists.excluded:
