@@ -47,6 +47,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -216,27 +217,11 @@ def run_class(
         cmd, env = mpi_launch.command(launcher, world_size, argv, prefix, backstop)
         # Ranks write their own logs; the launcher's few lines go to this process's output.
         job = mpi_launch.Job(cmd, cwd=os.getcwd(), env=mpi_launch.job_env(env), capture=False)
-        first_seen: dict[str, float] = {}
-        hung = None
-        while True:
-            ended = job.proc.poll() is not None
-            per_rank = read_records(prefix, world_size)
-            now = time.monotonic()
-            running = None
-            for test in remaining:
-                if combine(test, per_rank) is not None:
-                    continue
-                if any(test in seen for seen in per_rank):
-                    first_seen.setdefault(test, now)
-                    running = test
-                break
-            if ended:
-                break
-            if running and now - first_seen[running] > opts.hang_timeout:
-                hung = running
-                job.wait(timeout_s=0)  # ends the job now, as hung
-                break
-            time.sleep(0.5)
+        try:
+            hung, first_seen = _watch(job, remaining, prefix, world_size, opts.hang_timeout)
+        except BaseException:  # interrupted or terminated: the job must not outlive us
+            job.wait(timeout_s=0)  # SIGTERM first: mpiexec then ends its proxies too
+            raise
         job_result = job.wait(timeout_s=None)
         if launcher.kind == "openmpi":
             mpi_launch._rename_prrte_logs(prefix)
@@ -276,6 +261,34 @@ def run_class(
         results.append(result)
         report_progress(result)
     return results
+
+
+def _watch(
+    job: mpi_launch.Job, tests: list[str], prefix: str, world_size: int, hang_timeout: float
+) -> tuple[str | None, dict[str, float]]:
+    """Follow the job's records until it ends; end it when a test runs over ``hang_timeout``.
+
+    Returns the test that hung (or None) and when this process saw each test start.
+    """
+    first_seen: dict[str, float] = {}
+    while True:
+        ended = job.proc.poll() is not None
+        per_rank = read_records(prefix, world_size)
+        now = time.monotonic()
+        running = None
+        for test in tests:  # the first test not ended on every rank
+            if combine(test, per_rank) is not None:
+                continue
+            if any(test in seen for seen in per_rank):
+                first_seen.setdefault(test, now)
+                running = test
+            break
+        if ended:
+            return None, first_seen
+        if running and now - first_seen[running] > hang_timeout:
+            job.wait(timeout_s=0)  # ends the job now, as hung
+            return running, first_seen
+        time.sleep(0.5)
 
 
 def report_progress(result: Result) -> None:
@@ -356,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         help="report only: known_failures.txt does not change the exit code",
     )
     opts = parser.parse_args(argv)
+    # Terminated like interrupted: the running job is ended on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     wall_start = time.monotonic()
 
     sys.path.insert(0, os.getcwd())
