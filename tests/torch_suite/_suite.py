@@ -22,6 +22,8 @@ fixture for this agent and ``common_utils.TestCase``; MPI rank r plays ``self.ra
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
 import importlib
 import importlib.util
 import os
@@ -232,6 +234,54 @@ def load(bind: bool = True) -> dict[str, SuiteClass]:
         world_size = size.fget(None) if isinstance(size, property) else int(size)
         suite[class_name] = SuiteClass(class_name, mixed, world_size, needs_cuda)
     return suite
+
+
+class FreshModules:
+    """The module-level state of the test modules as imported, put back before each test.
+
+    torch runs each test in a fresh process; here one process runs many, and tests leave
+    state behind in their modules: flags (``rpc_done``), finished ``concurrent.futures``
+    (``VALUE_FUTURE``), even deleted functions (``test_function_not_on_callee`` deletes
+    ``foo_add`` on one rank). Every name is bound again to its value at import (after
+    :func:`load` pointed it at this package); containers, tensors and futures are fresh.
+    """
+
+    def __init__(self) -> None:
+        self._saved = [
+            (module, dict(vars(module)))
+            for name, module in list(sys.modules.items())
+            if name.startswith((_INTERNAL, "torch.testing._internal.dist_utils"))
+            and isinstance(module, types.ModuleType)
+        ]
+        self._initial = {
+            id(v): copy.deepcopy(v)
+            for _, names in self._saved
+            for v in names.values()
+            if _is_plain_state(v)
+        }
+
+    def restore(self) -> None:
+        """Bind every saved name again; fresh copies of mutable state."""
+        for module, names in self._saved:
+            for key, value in names.items():
+                if isinstance(value, concurrent.futures.Future):
+                    value = concurrent.futures.Future()
+                elif id(value) in self._initial:
+                    value = copy.deepcopy(self._initial[id(value)])
+                setattr(module, key, value)
+
+
+def _is_plain_state(value: object) -> bool:
+    """Mutable data a test may change: containers of plain values, tensors."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.is_leaf
+    if isinstance(value, (list, dict, set)):
+        items = list(value.items()) if isinstance(value, dict) else list(value)
+        flat = [x for item in items for x in (item if isinstance(item, tuple) else (item,))]
+        return all(isinstance(x, (bool, int, float, str, type(None))) for x in flat)
+    return False
 
 
 def package_under_test() -> str:

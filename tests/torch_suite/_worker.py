@@ -101,6 +101,7 @@ def main() -> int:
     comm = MPI.COMM_WORLD.Dup()  # the harness's own collectives never meet the tests'
     rank = comm.Get_rank()
     suite = _suite.load()
+    fresh = _suite.FreshModules()
     import torch.testing._internal.dist_utils as dist_utils
 
     import lightning_distgrad.rpc
@@ -130,12 +131,16 @@ def main() -> int:
         record(test=test_id, event="start", t=time.time())
         # Every thread's stack lands in this rank's log before the driver ends a hung job.
         faulthandler.dump_traceback_later(max(1.0, opts.hang_timeout - 5), exit=False)
+        fresh.restore()
         case = suite_class.cls(method)
         case.rank = rank
         case.file_name = store_file
         start = time.monotonic()
         outcome, detail = _run_one(case, method, skips)
         seconds = time.monotonic() - start
+        # Before settling: a failed rank's peers may wait for it in the test's collectives,
+        # and the driver ends such a job once it knows the test failed.
+        record(test=test_id, event="result", outcome=outcome, detail=detail)
         settled = _settle()
         faulthandler.cancel_dump_traceback_later()
         record(

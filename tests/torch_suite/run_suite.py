@@ -66,6 +66,8 @@ KNOWN_FAILURES = HERE / "known_failures.txt"
 EXCLUSION_KINDS = ("internal", "torchscript", "dynamic-membership", "fast-mode")
 #: Outcomes that are not a pass (a skip is neither).
 FAILED = ("fail", "hang", "crash")
+#: Seconds the other ranks get to finish a test that one rank failed before the job is ended.
+FAIL_GRACE_S = 15
 #: Job numbers, unique in a run: a job's records and logs are named after it.
 _JOB_NUMBERS = itertools.count(1)
 
@@ -218,7 +220,7 @@ def run_class(
         # Ranks write their own logs; the launcher's few lines go to this process's output.
         job = mpi_launch.Job(cmd, cwd=os.getcwd(), env=mpi_launch.job_env(env), capture=False)
         try:
-            hung, first_seen = _watch(job, remaining, prefix, world_size, opts.hang_timeout)
+            stopped, why, first_seen = _watch(job, remaining, prefix, world_size, opts.hang_timeout)
         except BaseException:  # interrupted or terminated: the job must not outlive us
             job.wait(timeout_s=0)  # SIGTERM first: mpiexec then ends its proxies too
             raise
@@ -245,8 +247,17 @@ def run_class(
                 f"torch_suite: job {name} ended before its first test started"
                 f" (exit code {job_result.code}). Rank logs: {prefix}.rank<r>.out/err"
             )
-        if test == hung:
+        if test == stopped and why == "hang":
             result = Result(test, "hang", opts.hang_timeout, f"ran over {opts.hang_timeout} s")
+        elif test == stopped:
+            failed = _failed_ranks(test, per_rank)
+            result = Result(
+                test,
+                "fail",
+                time.monotonic() - first_seen[test],
+                "\n".join(f"--- rank {r}:\n{rec['detail']}" for r, rec in failed)
+                + f"\nthe other ranks had not finished {FAIL_GRACE_S} s later: job ended",
+            )
         else:
             finished = [r for r, seen in enumerate(per_rank) if "end" in seen.get(test, {})]
             result = Result(
@@ -263,14 +274,27 @@ def run_class(
     return results
 
 
+def _failed_ranks(test: str, per_rank: list[dict[str, dict]]) -> list[tuple[int, dict]]:
+    """Ranks whose run of ``test`` failed (known before they settle), with their records."""
+    return [
+        (r, seen[test]["result"])
+        for r, seen in enumerate(per_rank)
+        if seen.get(test, {}).get("result", {}).get("outcome") == "fail"
+    ]
+
+
 def _watch(
     job: mpi_launch.Job, tests: list[str], prefix: str, world_size: int, hang_timeout: float
-) -> tuple[str | None, dict[str, float]]:
-    """Follow the job's records until it ends; end it when a test runs over ``hang_timeout``.
+) -> tuple[str | None, str, dict[str, float]]:
+    """Follow the job's records until it ends. End it when a test runs over ``hang_timeout``
+    ("hang"), or when a rank failed a test and the others have not finished it
+    ``FAIL_GRACE_S`` later ("fail": they wait for the failed rank, as MultiProcessTestCase
+    ends the other processes at a first failure).
 
-    Returns the test that hung (or None) and when this process saw each test start.
+    Returns the test that ended the job (or None), why, and when each test was seen to start.
     """
     first_seen: dict[str, float] = {}
+    failed_at: dict[str, float] = {}
     while True:
         ended = job.proc.poll() is not None
         per_rank = read_records(prefix, world_size)
@@ -284,10 +308,14 @@ def _watch(
                 running = test
             break
         if ended:
-            return None, first_seen
+            return None, "", first_seen
         if running and now - first_seen[running] > hang_timeout:
             job.wait(timeout_s=0)  # ends the job now, as hung
-            return running, first_seen
+            return running, "hang", first_seen
+        if running and _failed_ranks(running, per_rank):
+            if now - failed_at.setdefault(running, now) > FAIL_GRACE_S:
+                job.wait(timeout_s=0)
+                return running, "fail", first_seen
         time.sleep(0.5)
 
 
