@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import enum
 import importlib
 import importlib.util
 import os
@@ -243,7 +244,8 @@ class FreshModules:
     state behind in their modules: flags (``rpc_done``), finished ``concurrent.futures``
     (``VALUE_FUTURE``), even deleted functions (``test_function_not_on_callee`` deletes
     ``foo_add`` on one rank). Every name is bound again to its value at import (after
-    :func:`load` pointed it at this package); containers, tensors and futures are fresh.
+    :func:`load` pointed it at this package); containers, tensors and futures are fresh;
+    plain class attributes (``SimulateBackwardError._simulate_error``) get their values back.
     """
 
     def __init__(self) -> None:
@@ -252,6 +254,14 @@ class FreshModules:
             for name, module in list(sys.modules.items())
             if name.startswith((_INTERNAL, "torch.testing._internal.dist_utils"))
             and isinstance(module, types.ModuleType)
+        ]
+        # Flags that tests set on classes (SimulateBackwardError._simulate_error = False).
+        self._class_flags = [
+            (cls, key, value)
+            for _, names in self._saved
+            for cls in _classes_of(names.values())
+            for key, value in list(vars(cls).items())
+            if not key.startswith("__") and isinstance(value, (bool, int, float, str, type(None)))
         ]
         self._initial = {
             id(v): copy.deepcopy(v)
@@ -269,6 +279,29 @@ class FreshModules:
                 elif id(value) in self._initial:
                     value = copy.deepcopy(self._initial[id(value)])
                 setattr(module, key, value)
+        for cls, key, value in self._class_flags:
+            setattr(cls, key, value)
+
+
+def _classes_of(values) -> list[type]:
+    """The classes defined in the test modules, and the classes nested in them."""
+    found: list[type] = []
+    todo = [
+        v
+        for v in values
+        if isinstance(v, type)
+        and v.__module__.startswith(_INTERNAL)
+        and not issubclass(v, enum.Enum)
+    ]
+    while todo:
+        cls = todo.pop()
+        if cls in found:
+            continue
+        found.append(cls)
+        todo.extend(
+            v for v in vars(cls).values() if isinstance(v, type) and v.__module__ == cls.__module__
+        )
+    return found
 
 
 def _is_plain_state(value: object) -> bool:
