@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import sys
 import threading
 import time
 
@@ -242,6 +243,16 @@ def test_a_thousand_fuzzed_frames_leave_the_agent_serving(rpc_world, monkeypatch
     assert answers_normally(world)
     assert wait_until(lambda: not transport._receiver.incoming, timeout=30)
     assert answers_normally(world)
+
+
+def test_an_error_printed_by_a_deallocator_does_not_abort_the_job(rpc_world, capsys):
+    """CPython reports an error raised where nothing can catch it (a bytearray freed while
+    still exported, say) through sys.excepthook with no traceback, and goes on: the
+    excepthook that aborts the job on an uncaught exception must let it be."""
+    error = SystemError("deallocated bytearray object has exported buffers")
+    sys.excepthook(SystemError, error, None)
+    assert "deallocated bytearray" in capsys.readouterr().err
+    assert answers_normally(rpc_world)
 
 
 def slow_add(seconds, x):

@@ -198,7 +198,10 @@ def _install_exit_hooks(size: int) -> None:
 
         def abort_job(exc_type, exc, tb):
             previous(exc_type, exc, tb)
-            if issubclass(exc_type, SystemExit):
+            # An exception that ends the program has the frames it passed through; one
+            # without is an error CPython printed and went on from (a deallocator's
+            # SystemError), which ends nothing.
+            if issubclass(exc_type, SystemExit) or tb is None:
                 return
             rank = MPI.COMM_WORLD.Get_rank()
             abort_mpi_job(
