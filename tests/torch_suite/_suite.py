@@ -26,14 +26,10 @@ import concurrent.futures
 import copy
 import enum
 import importlib
-import importlib.util
 import os
 import sys
 import types
 from dataclasses import dataclass
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
 
 _INTERNAL = "torch.testing._internal.distributed."
 
@@ -92,12 +88,6 @@ class SuiteClass:
         import unittest
 
         return list(unittest.TestLoader().getTestCaseNames(self.cls))
-
-
-def use_expecttest_standin() -> None:
-    """``common_utils`` imports ``expecttest``; without it, use the stand-in beside this file."""
-    if importlib.util.find_spec("expecttest") is None:
-        sys.path.append(str(HERE / "_standins"))
 
 
 def _test_modules() -> list[types.ModuleType]:
@@ -197,7 +187,6 @@ def load(bind: bool = True) -> dict[str, SuiteClass]:
     ``bind=False`` leaves the modules on torch's RPC (enough to list the tests; also how to
     run them against torch's own agent).
     """
-    use_expecttest_standin()
     # Not the "to reproduce, run python test/..." footer: these tests are not run that way.
     os.environ.setdefault("PYTORCH_PRINT_REPRO_ON_FAILURE", "0")
     import torch
