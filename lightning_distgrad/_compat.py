@@ -220,16 +220,17 @@ def wrap_kineto_results_parser(add_events: Callable[[Any, Any, list], list]) -> 
 
 
 def quiet_kineto_without_gpu() -> None:
-    """Keep Kineto's log lines out of the output of a CUDA build of torch on a node without a
-    GPU (a CPU partition's or login node's usual case); call before starting a profiler.
+    """Keep Kineto's log lines out of the output of a node without a GPU (a CPU partition's
+    or login node's usual case); call before starting a profiler.
 
     There, Kineto writes lines to stderr that a user can do nothing about:
-    ``gpuGetDeviceCount failed with code 35`` when a trace is written (torch 2.5 to 2.14) and
-    ``USDT ... profiler_start`` / ``profiler_stop`` (torch 2.14). Kineto reads
-    ``KINETO_LOG_LEVEL`` once, when the process's first profiler starts; 6 is above its highest
-    severity. A level the user set is kept, and CPU builds and GPU nodes are left alone.
+    ``gpuGetDeviceCount failed with code 35`` when a trace is written (CUDA builds of torch
+    2.5 to 2.14) and ``USDT ... profiler_start`` / ``profiler_stop`` (CPU and CUDA builds of
+    torch 2.13 and 2.14). Kineto reads ``KINETO_LOG_LEVEL`` once, when the process's first
+    profiler starts; 6 is above its highest severity. A level the user set is kept, and
+    nodes with a GPU are left alone.
     """
-    if torch.version.cuda is not None and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
