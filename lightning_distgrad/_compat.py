@@ -267,6 +267,23 @@ def tensor_hooks(tensor: torch.Tensor) -> dict | None:
     return getattr(tensor, "_backward_hooks", None)
 
 
+def _no_op_hook(*_: Any) -> None:
+    return None
+
+
+def node_post_hooks(node: Any) -> dict:
+    """The hooks that ``node.register_hook`` added (a snapshot, in the order they run).
+
+    No public alternative as of torch 2.13 (same from 2.5 on): a node keeps its Python
+    post-hooks in one dict, which a new hook's ``RemovableHandle`` points to; a stand-in
+    hook added and removed reads it.
+    """
+    handle = node.register_hook(_no_op_hook)
+    hooks = handle.hooks_dict_ref()
+    handle.remove()
+    return dict(hooks) if hooks else {}
+
+
 def num_node_inputs(node: Any) -> int:
     """How many gradients an autograd node takes (one per output of its forward).
 

@@ -752,11 +752,6 @@ def test_an_rpc_results_gradient_leaves_before_local_work_that_does_not_feed_it(
     torch.testing.assert_close(grad, torch.full((3,), 3.0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the engine captures gradients at AccumulateGrad "
-    "nodes without running the nodes' post-hooks (torch runs them, test_post_hooks)",
-)
 def test_post_hooks(rpc_world):
     calls = []
     t = torch.rand(10, 10, requires_grad=True)
@@ -772,6 +767,49 @@ def test_post_hooks(rpc_world):
         grads = dist_autograd.get_gradients(context_id)
         assert len(grads) == 1 and t in grads
         torch.testing.assert_close(grads[t], 2 * torch.ones(10, 10))
+
+
+def test_post_hooks_see_the_whole_gradient_once_after_it_is_accumulated(rpc_world):
+    """A leaf fed locally and through an RPC: its tensor hook runs first, then its
+    AccumulateGrad node's post-hooks, once, with the whole gradient, as local autograd
+    runs them."""
+
+    def build(t, dst):
+        local = t * 3
+        remote = local if dst is None else rpc.rpc_sync(dst, torch.mul, (t, 3.0))
+        return (local + remote * remote).sum()
+
+    def record(t, seen, context_id=None):
+        """Hooks on ``t``; returns its AccumulateGrad node, which lives while referenced."""
+        t.register_hook(lambda grad: grad * 10)
+        acc = (t * 1).grad_fn.next_functions[0][0]
+
+        def post_hook(grad_inputs, grad_outputs):
+            accumulated = dist_autograd.get_gradients(context_id)[t] if context_id else None
+            seen.append((grad_inputs, grad_outputs[0].clone(), accumulated))
+
+        acc.register_hook(post_hook)
+        return acc
+
+    values = torch.rand(4)
+    expected_seen = []
+    local_t = values.clone().requires_grad_()
+    local_acc = record(local_t, expected_seen)
+    build(local_t, None).backward()
+
+    t = values.clone().requires_grad_()
+    seen = []
+    with dist_autograd.context() as context_id:
+        acc = record(t, seen, context_id)
+        dist_autograd.backward(context_id, [build(t, rpc_world.peer())])
+        grad = dist_autograd.get_gradients(context_id)[t]
+    assert len(expected_seen) == 1 and len(seen) == 1, (local_acc, acc)
+    expected_inputs, expected_grad, _ = expected_seen[0]
+    grad_inputs, hook_grad, accumulated = seen[0]
+    assert grad_inputs == expected_inputs == ()
+    torch.testing.assert_close(hook_grad, expected_grad)
+    torch.testing.assert_close(accumulated, hook_grad)
+    torch.testing.assert_close(grad, local_t.grad)
 
 
 # ---------------------------------------------------------------------------

@@ -65,7 +65,7 @@ from ._credit import (  # noqa: F401  (re-exported)
 )
 from ._graph import is_leaf_node
 from ._messages import CreditReturn, Gradients, decode_gradients, encode_gradients
-from ._pass import Pass, native_grad
+from ._pass import Pass, accumulate_leaves, native_grad
 
 _container: ContextContainer | None = None
 _pass_ids = itertools.count()
@@ -223,7 +223,7 @@ def _local_backward(
         )
     except Exception as e:
         raise _wrap_error(container().worker_id, e) from None
-    ctx.accumulate([(n.variable, g) for n, g in zip(leaves, grads, strict=True) if g is not None])
+    accumulate_leaves(ctx, [(n, g) for n, g in zip(leaves, grads, strict=True) if g is not None])
     return True
 
 

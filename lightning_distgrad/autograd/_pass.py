@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from .._compat import engine_run_backward, num_node_inputs, tensor_hooks
+from .._compat import engine_run_backward, node_post_hooks, num_node_inputs, tensor_hooks
 from ..rpc._errors import timeout_error
 from ..rpc._profiling import recording, span
 from ._context import DistAutogradContext, sum_grads
@@ -63,6 +63,16 @@ def native_grad(
     return engine_run_backward(
         tuple(outputs), tuple(grad_outputs), retain_graph, False, tuple(inputs), True, False
     )
+
+
+def accumulate_leaves(ctx: DistAutogradContext, leaf_grads: list[tuple[Any, torch.Tensor]]) -> None:
+    """Add each ``(AccumulateGrad node, gradient)`` to ``ctx``, then run the nodes'
+    post-hooks as torch's engine does: after accumulating, with no outputs and the node's
+    input gradient."""
+    ctx.accumulate([(node.variable, grad) for node, grad in leaf_grads])
+    for node, grad in leaf_grads:
+        for hook in node_post_hooks(node).values():
+            hook((), (grad,))
 
 
 class Pass:
@@ -393,9 +403,9 @@ class Pass:
             else:
                 grad = self._run_held_hooks(node, grads.get(0))
                 if grad is not None:
-                    leaf_grads.append((node.variable, grad))
+                    leaf_grads.append((node, grad))
         if leaf_grads:
-            self.ctx.accumulate(leaf_grads)
+            accumulate_leaves(self.ctx, leaf_grads)
 
     def _run_held_hooks(self, node: Any, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Give a leaf its hooks back, and run them on its (now full) gradient."""
