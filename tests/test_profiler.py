@@ -58,7 +58,7 @@ def remote_events(prof) -> dict[str, list]:
 def test_rpcs_are_recorded_under_torchs_rpc_profiling_names(rpc_world):
     me, peer = rpc_world.name, rpc_world.peer()
     x = torch.ones(2)
-    with torch.profiler.profile() as prof:
+    with profiler.record_rpcs(), torch.profiler.profile() as prof:
         rpc.rpc_sync(peer, torch.add, (x, 1))
         rpc.rpc_async(peer, double, (x,)).wait()
         rref = rpc.remote(peer, torch.mul, (x, 3))
@@ -81,7 +81,7 @@ def test_rpcs_are_recorded_under_torchs_rpc_profiling_names(rpc_world):
 def test_the_callees_events_come_back_as_torchs_remote_events(rpc_world):
     me, peer, peer_rank = rpc_world.name, rpc_world.peer(), rpc_world.peer_rank()
     x = torch.ones(3)
-    with torch.profiler.profile() as prof:
+    with profiler.record_rpcs(), torch.profiler.profile() as prof:
         assert torch.equal(rpc.rpc_sync(peer, torch.add, (x, 1)), x + 1)
         rpc.rpc_async(peer, ops_in_a_block, (x,)).wait()
     found = remote_events(prof)
@@ -117,7 +117,7 @@ def test_nested_calls_come_back_nested_with_the_node_that_ran_them(rpc_world):
     me, peer = rpc_world.name, rpc_world.peer()
     third, third_rank = rpc_world.peer(2), rpc_world.peer_rank(2)
     x = torch.ones(2)
-    with torch.profiler.profile() as prof:
+    with profiler.record_rpcs(), torch.profiler.profile() as prof:
         assert torch.equal(rpc.rpc_sync(peer, add_on, (third, x)), x + 1)
         assert torch.equal(rpc.rpc_async(peer, add_on_later, (third, x)).wait(), x + 1)
         rref = rpc.remote(peer, torch.mul, (x, 3))
@@ -129,6 +129,30 @@ def test_nested_calls_come_back_nested_with_the_node_that_ran_them(rpc_world):
         assert [e.node_id for e in found.get(nested, [])] == [rpc_world.peer_rank()], sorted(found)
         assert [e.node_id for e in found[f"{nested}{REMOTE_OP}aten::add"]] == [third_rank]
     assert f"rpc_remote#aten::mul({me} -> {peer}){REMOTE_OP}aten::mul" in found
+
+
+@pytest.mark.mpi(min_size=2)
+def test_torch_profiler_records_no_rpc_outside_record_rpcs_as_in_torch(rpc_world):
+    """PyTorch's RPC profiling records under its legacy profiler only: torch.profiler's
+    profiles list no RPC event of its agent (torch's test_profiler_with_async_rpc_udf)."""
+    peer, x = rpc_world.peer(), torch.ones(2)
+    with torch.profiler.profile() as prof:
+        rpc.rpc_sync(peer, torch.add, (x, 1))
+        rpc.rpc_async(peer, double, (x,)).wait()
+        rpc.remote(peer, torch.mul, (x, 3)).to_here()
+        torch.ones(1)
+    assert not [e.name for e in prof.events() if e.name.startswith("rpc_") or e.is_remote]
+    assert "aten::ones" in {e.name for e in prof.events()}  # it did record this thread
+    with torch.autograd.profiler_legacy.profile() as legacy:
+        rpc.rpc_sync(peer, torch.add, (x, 1))
+    assert [e.node_id for e in legacy.function_events if e.name.startswith("rpc_sync#")]
+    with profiler.record_rpcs():
+        with profiler.record_rpcs():
+            pass
+        with torch.profiler.profile() as prof:  # the outer scope still open
+            rpc.rpc_sync(peer, torch.add, (x, 1))
+    assert [e.name for e in prof.events() if e.name.startswith("rpc_sync#")]
+    assert not _profiling.recording_rpcs()
 
 
 @pytest.mark.mpi(min_size=2)

@@ -9,6 +9,7 @@ torch's own tests of these (``torch/testing/_internal/distributed/rpc/rpc_test.p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -17,7 +18,7 @@ import torch
 from torch.autograd.profiler_legacy import profile as legacy_profile
 
 import lightning_distgrad.autograd as dist_autograd
-from lightning_distgrad import rpc
+from lightning_distgrad import profiler, rpc
 from lightning_distgrad._compat import CFuture
 from lightning_distgrad.rpc import _remote_events, _server_profiler
 
@@ -92,7 +93,15 @@ def test_the_legacy_profiler_lists_the_callees_events_with_their_node(rpc_world,
 @pytest.mark.parametrize("kind", ["legacy", "kineto"])
 def test_record_shapes_and_profile_memory_reach_the_callee(rpc_world, kind):
     peer = rpc_world.peer()
-    profile = legacy_profile if kind == "legacy" else torch.autograd.profiler.profile
+    if kind == "legacy":
+        profile = legacy_profile
+    else:  # Kineto records RPCs inside record_rpcs() only (torch's records none)
+
+        @contextlib.contextmanager
+        def profile(**kwargs):
+            with profiler.record_rpcs(), torch.autograd.profiler.profile(**kwargs) as prof:
+                yield prof
+
     t1, t2 = torch.ones(100), torch.ones(100)
     with profile(record_shapes=True) as prof:
         rpc.rpc_sync(peer, torch.add, (t1, t2))

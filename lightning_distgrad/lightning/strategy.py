@@ -27,6 +27,7 @@ from typing_extensions import override
 
 from .._compat import after_closure, optimizers_to_device
 from ..nn import RemoteModule, ReplicatedModule
+from ..rpc._profiling import record_rpcs
 from . import _remote, _requeue
 from ._checkpoint import (
     REMOTE_OPTIMIZER_STATES,
@@ -221,6 +222,7 @@ class DistAutogradStrategy(MPIRolesStrategy):
         self._replicated: list[ReplicatedModule] = []
         self._owned_replica: ReplicatedModule | None = None
         self._patched_forwards: list[RemoteModule] = []
+        self._rpc_recording = contextlib.ExitStack()  # record_rpcs() from setup to teardown
 
     @property
     def context_id(self) -> int | None:
@@ -253,6 +255,8 @@ class DistAutogradStrategy(MPIRolesStrategy):
         self._remote_modules = take_remote_modules(module)
         check_remote_modules(self._remote_modules, self.roles, self._collectives)
         warn_backward_override(module)
+        # Lightning's PyTorchProfiler (Kineto) lists the step's RPCs, as documented.
+        self._rpc_recording.enter_context(record_rpcs())
         if not any(isinstance(c, _requeue.RequeueCheckpoint) for c in trainer.callbacks):
             trainer.callbacks.append(_requeue.RequeueCheckpoint())
         super().setup(trainer)  # converts, moves to device, builds the optimizers
@@ -285,6 +289,7 @@ class DistAutogradStrategy(MPIRolesStrategy):
 
     @override
     def teardown(self) -> None:
+        self._rpc_recording.close()
         self._step.close()
         for module in self._patched_forwards:
             install_forward(module, None)

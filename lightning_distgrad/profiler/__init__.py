@@ -1,14 +1,14 @@
 """Profiling a whole job: ``torch.profiler`` on every rank, merged into one timeline.
 
-Inside ``torch.profiler.profile()`` the RPC layer records its calls under torch's
-RPC profiling names (``rpc_sync#aten::add(worker0 -> worker1)``, ``rpc_async#...``,
-``rpc_remote#...``, ``to_here#(worker0)->(worker1)``), the callee's run of each request
-(``rpc_serve#...``), and the distributed backward pass
+Any torch profiler records the distributed backward pass
 (``torch::distributed::autograd::backward``, with a span for each stretch of local
-engine work and each gradient message sent and handled). The
-callee records each such call too and sends its events back: ``key_averages()`` on the
-caller lists them as torch's RPC profiling does (``rpc_sync#...#remote_op: aten::add``,
-``node_id`` the callee's rank).
+engine work and each gradient message sent and handled). RPCs are recorded, as in
+PyTorch, by the legacy ``torch.autograd.profiler_legacy.profile()``, and also by
+``torch.profiler.profile()`` inside :func:`record_rpcs`: each call under torch's RPC
+profiling names (``rpc_sync#aten::add(worker0 -> worker1)``, ``rpc_async#...``,
+``rpc_remote#...``), the callee's run of each request (``rpc_serve#...``), and what
+the callee ran for the call, which ``key_averages()`` on the caller lists as torch's RPC
+profiling does (``rpc_sync#...#remote_op: aten::add``, ``node_id`` the callee's rank).
 
 :func:`profile` runs ``torch.profiler`` on every rank and, on exit, writes one
 Chrome/Perfetto trace of the job on rank 0: one process lane per worker, clocks
@@ -27,10 +27,11 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from ..rpc._profiling import record_rpcs
 from ._plot import plot_timeline
 from ._session import Recording
 
-__all__ = ["profile", "plot_timeline", "TimelineCallback"]
+__all__ = ["profile", "plot_timeline", "record_rpcs", "TimelineCallback"]
 
 
 @contextlib.contextmanager

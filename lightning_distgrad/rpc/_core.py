@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._compat import find_builtin
-from ._profiling import profiling_key, recording
+from ._profiling import profiling_key, recording_rpcs
 from ._worker_info import WorkerInfo
 
 if TYPE_CHECKING:  # the agent's module imports the request side, which needs this one
@@ -157,7 +157,7 @@ def invoke(
         timeout = agent.timeout
     operator = is_builtin(func)
     name = None
-    if profile is not None and recording():
+    if profile is not None and recording_rpcs():
         name = profiling_key(profile, profiled_func or func, f"{agent.info.name} -> {dst.name}")
     if force_autograd is None:
         # Python functions always carry the context: their result may need

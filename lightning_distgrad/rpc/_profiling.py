@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 
-from .._compat import end_span_on_future, find_builtin, profiler_enabled
+from .._compat import (
+    end_span_on_future,
+    find_builtin,
+    kineto_records_this_thread,
+    profiler_enabled,
+)
 
 # -- Span names -------------------------------------------------------------------------
 
@@ -81,6 +86,46 @@ def set_log(log: MessageLog | None) -> None:
 def recording() -> bool:
     """Whether spans are recorded (a torch profiler on this thread, or a merged timeline)."""
     return _log is not None or profiler_enabled()
+
+
+_rpc_scopes = 0  # open record_rpcs() scopes in this process
+_rpc_scopes_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def record_rpcs() -> Iterator[None]:
+    """Inside, ``torch.profiler.profile`` and ``torch.autograd.profiler.profile`` record
+    RPCs too, with what their callees ran; outside, as in PyTorch, only the legacy
+    ``torch.autograd.profiler_legacy.profile`` does. For the whole process while any such
+    scope is open, on every thread. ``DistAutogradStrategy`` opens one for its runs, so
+    Lightning's ``PyTorchProfiler`` lists RPCs.
+
+    Example::
+        Run with ``mpiexec -n 2 python -m mpi4py example.py``:
+
+        >>> # xdoctest: +SKIP
+        >>> from lightning_distgrad.profiler import record_rpcs
+        >>> with record_rpcs(), torch.profiler.profile() as prof:
+        ...     rpc.rpc_sync("worker1", torch.add, (torch.ones(2), 1))
+        >>> print(prof.key_averages().table())  # rpc_sync#aten::add(worker0 -> worker1)...
+    """
+    global _rpc_scopes
+    with _rpc_scopes_lock:
+        _rpc_scopes += 1
+    try:
+        yield
+    finally:
+        with _rpc_scopes_lock:
+            _rpc_scopes -= 1
+
+
+def recording_rpcs() -> bool:
+    """Whether RPCs are recorded: in a merged timeline; by the legacy profiler, as torch
+    records them; by a Kineto profiler only inside :func:`record_rpcs`, since torch's
+    RPC profiling leaves Kineto's profiles without RPC events."""
+    if _log is not None:
+        return True
+    return profiler_enabled() and (_rpc_scopes > 0 or not kineto_records_this_thread())
 
 
 @contextlib.contextmanager

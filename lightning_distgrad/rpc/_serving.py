@@ -25,7 +25,7 @@ from ._errors import (
     print_user_error,
     remote_error,
 )
-from ._profiling import profiling_key, run_recorded
+from ._profiling import profiling_key, recording_rpcs, run_recorded
 from ._remote_events import Recorder, recording_for_caller, split_profiled_request_body
 from ._rref_context import decode_confirmed
 from ._transport import Transport
@@ -72,6 +72,8 @@ def _is_operator(func: Any) -> bool:
 
 
 def _serve_span(func: Callable, route: str) -> tuple[str, None] | None:
+    if not recording_rpcs():
+        return None
     if _server_profiler.serving_profiled() or recording_for_caller():
         # What torch's profiles list of a served request is what it ran, and only that.
         return None

@@ -20,22 +20,19 @@ A test that runs longer than ``--hang-timeout`` seconds (default 90) ends its jo
 thread's stack is in the per-rank log first); a rank that dies ends its job too. That test
 is reported ``hang`` or ``crash`` and the rest of its class goes on in a fresh job.
 
-Lists (both in this folder, one test a line, ``Class.test_name  reason``):
+``excluded.txt`` (in this folder, one test a line, ``Class.test_name  reason``) lists the
+tests not run. Each reason starts with one of ``internal:`` (tests a torch-internal object
+or function, not public API), ``torchscript:``, ``dynamic-membership:``, ``fast-mode:``
+(FAST-mode-only behaviour; the reason names the strict-mode test of ours that covers it, as
+``tests/test_x.py::test_y``).
 
-* ``excluded.txt``: tests not run. Each reason starts with one of ``internal:`` (tests a
-  torch-internal object or function, not public API), ``torchscript:``, ``dynamic-membership:``,
-  ``fast-mode:`` (FAST-mode-only behaviour; the reason names the strict-mode test of ours
-  that covers it, as ``tests/test_x.py::test_y``).
-* ``known_failures.txt``: tests that run and fail today; the reason names the gap.
-
-The run FAILS (exit code 1) when a test on neither list does not pass, and when a test on
-``known_failures.txt`` passes (take it off the list). Skipped tests (e.g. CUDA ones that
-need more GPUs) neither pass nor fail. ``--no-lists`` only reports, ``--include-excluded``
-runs the excluded tests too (and reports them; they do not fail the run).
+The run FAILS (exit code 1) when a test not excluded does not pass. Skipped tests (e.g.
+CUDA ones that need more GPUs) neither pass nor fail. ``--include-excluded`` runs the
+excluded tests too (and reports them; they do not fail the run).
 
 Results: ``--out DIR`` (default: a new folder under $TMPDIR) gets ``report.json`` (every
 test: class, outcome, seconds, traceback of each failing rank, list entry), ``summary.txt``
-(the table printed at the end: pass/fail/hang/crash/skip/excluded/known per class) and the
+(the table printed at the end: pass/fail/hang/crash/skip/excluded per class) and the
 per-rank logs of each job (``<class>.job<k>.rank<r>.out/err``).
 """
 
@@ -52,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -62,7 +59,6 @@ sys.path.insert(1, str(HERE.parent))  # tests/: mpi_launch
 import mpi_launch  # noqa: E402
 
 EXCLUDED = HERE / "excluded.txt"
-KNOWN_FAILURES = HERE / "known_failures.txt"
 EXCLUSION_KINDS = ("internal", "torchscript", "dynamic-membership", "fast-mode")
 #: Outcomes that are not a pass (a skip is neither).
 FAILED = ("fail", "hang", "crash")
@@ -79,14 +75,7 @@ class Result:
     seconds: float = 0.0
     detail: str = ""
     job: str = ""
-    listed: str = ""  # "excluded" or "known" when on a list
-    reason: str = ""
-
-
-@dataclass
-class Lists:
-    excluded: dict[str, str] = field(default_factory=dict)
-    known: dict[str, str] = field(default_factory=dict)
+    reason: str = ""  # why it is excluded
 
 
 def read_list(path: Path) -> dict[str, str]:
@@ -107,16 +96,12 @@ def read_list(path: Path) -> dict[str, str]:
     return entries
 
 
-def check_lists(lists: Lists, all_tests: set[str], repo: Path) -> None:
-    """Stale or malformed entries are errors: the lists must say exactly what is true."""
+def check_exclusions(excluded: dict[str, str], all_tests: set[str], repo: Path) -> None:
+    """Stale or malformed entries are errors: the list must say exactly what is true."""
     problems = []
-    for name, entries in (("excluded.txt", lists.excluded), ("known_failures.txt", lists.known)):
-        for test in entries:
-            if test not in all_tests:
-                problems.append(f"{name}: {test} is not a test of the suite")
-    for test in lists.excluded.keys() & lists.known.keys():
-        problems.append(f"{test} is on both lists")
-    for test, reason in lists.excluded.items():
+    for test, reason in excluded.items():
+        if test not in all_tests:
+            problems.append(f"excluded.txt: {test} is not a test of the suite")
         kind = reason.split(":", 1)[0]
         if kind not in EXCLUSION_KINDS or ":" not in reason:
             problems.append(
@@ -324,8 +309,8 @@ def report_progress(result: Result) -> None:
 
 
 def summarize(results: list[Result], classes: list[str]) -> str:
-    """Per class: how many tests passed, failed (on no list / known), hung, ... ."""
-    columns = ["pass", "fail", "hang", "crash", "skip", "excluded", "known"]
+    """Per class: how many tests passed, failed, hung, ... ."""
+    columns = ["pass", "fail", "hang", "crash", "skip", "excluded"]
     rows = []
     totals: Counter[str] = Counter()
     for name in classes:
@@ -333,10 +318,7 @@ def summarize(results: list[Result], classes: list[str]) -> str:
         for r in results:
             if r.test.split(".")[0] != name:
                 continue
-            if r.listed == "known" and r.outcome in FAILED:
-                counts["known"] += 1
-            else:
-                counts[r.outcome] += 1
+            counts[r.outcome] += 1
         if counts:
             rows.append((name, counts))
             totals.update(counts)
@@ -346,21 +328,14 @@ def summarize(results: list[Result], classes: list[str]) -> str:
     for name, counts in rows:
         lines.append(f"{name:{width}s} " + " ".join(f"{counts[c]:8d}" for c in columns))
     lines.append(
-        "(fail/hang/crash: tests on neither list; known: failures on known_failures.txt;"
-        " excluded: on excluded.txt, not run)"
+        "(excluded: on excluded.txt, not run; with --include-excluded, counted by outcome)"
     )
     return "\n".join(lines)
 
 
-def verdict(results: list[Result], use_lists: bool) -> list[str]:
-    """What makes the run fail: unexpected failures and passing known failures."""
-    problems = []
-    for r in results:
-        if r.outcome in FAILED and r.listed not in ("excluded", "known" if use_lists else "-"):
-            problems.append(f"{r.outcome}: {r.test}")
-        if use_lists and r.listed == "known" and r.outcome == "pass":
-            problems.append(f"passes, take it off known_failures.txt: {r.test}")
-    return problems
+def verdict(results: list[Result]) -> list[str]:
+    """What makes the run fail: a test not excluded that did not pass."""
+    return [f"{r.outcome}: {r.test}" for r in results if r.outcome in FAILED and not r.reason]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -391,11 +366,6 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run each test in a job of its own (slow: a job starts in about 30 s)",
     )
-    parser.add_argument(
-        "--no-lists",
-        action="store_true",
-        help="report only: known_failures.txt does not change the exit code",
-    )
     opts = parser.parse_args(argv)
     # Terminated like interrupted: the running job is ended on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -406,13 +376,13 @@ def main(argv: list[str] | None = None) -> int:
 
     suite = _suite.load(bind=False)  # the names only; each job binds its own
     all_tests = [f"{c}.{t}" for c, sc in suite.items() for t in sc.test_names()]
-    lists = Lists(read_list(EXCLUDED), read_list(KNOWN_FAILURES))
-    check_lists(lists, set(all_tests), HERE.parent.parent)
+    excluded = read_list(EXCLUDED)
+    check_exclusions(excluded, set(all_tests), HERE.parent.parent)
     selected = select(all_tests, opts.k)
     if opts.list:
         for test in selected:
-            listed = lists.excluded.get(test) or lists.known.get(test)
-            print(test + (f"  [{listed}]" if listed else ""))
+            reason = excluded.get(test)
+            print(test + (f"  [{reason}]" if reason else ""))
         return 0
     if not selected:
         print("torch_suite: no test matches", opts.k, file=sys.stderr)
@@ -434,10 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         tests = [t for t in selected if t.split(".")[0] == class_name]
         to_run = []
         for test in tests:
-            if test in lists.excluded and not opts.include_excluded:
-                results.append(
-                    Result(test, "excluded", listed="excluded", reason=lists.excluded[test])
-                )
+            if test in excluded and not opts.include_excluded:
+                results.append(Result(test, "excluded", reason=excluded[test]))
             else:
                 to_run.append(test)
         # --alone: each test in a job of its own, as torch runs it (a fresh process).
@@ -446,14 +414,11 @@ def main(argv: list[str] | None = None) -> int:
                 run_class(class_name, suite_class.world_size, batch, opts, out, launcher)
             )
     for r in results:
-        if r.test in lists.excluded:
-            r.listed, r.reason = "excluded", lists.excluded[r.test]
-        elif r.test in lists.known:
-            r.listed, r.reason = "known", lists.known[r.test]
+        r.reason = excluded.get(r.test, "")
 
     wall = time.monotonic() - wall_start
     summary = summarize(results, list(suite))
-    problems = verdict(results, use_lists=not opts.no_lists)
+    problems = verdict(results)
     unexpected = [r for r in results if f"{r.outcome}: {r.test}" in problems]
     text = [summary, f"wall time {wall:.0f} s; package under test: {os.getcwd()}"]
     for r in unexpected:
