@@ -235,6 +235,24 @@ def test_tensor_hooks_and_node_inputs():
     assert _compat.num_node_inputs((a * 2).grad_fn) == 1
 
 
+def test_node_post_hooks_lists_a_nodes_hooks_in_order_and_leaves_them_as_they_were():
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    node = y.grad_fn.next_functions[0][0]  # x's AccumulateGrad, alive while y is
+    assert _compat.node_post_hooks(node) == {}
+    calls = []
+    first = node.register_hook(lambda grad_inputs, grad_outputs: calls.append("first"))
+    node.register_hook(lambda grad_inputs, grad_outputs: calls.append("second"))
+    first.remove()
+    node.register_hook(lambda grad_inputs, grad_outputs: calls.append("third"))
+    for hook in _compat.node_post_hooks(node).values():
+        hook((), (torch.ones(2),))
+    assert calls == ["second", "third"]
+    assert len(_compat.node_post_hooks(node)) == 2  # no stand-in hook left behind
+    y.sum().backward()  # the node keeps its hooks
+    assert calls == ["second", "third", "second", "third"]
+
+
 def test_module_children_is_the_live_registry():
     seq = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.ReLU())
     children = _compat.module_children(seq)
