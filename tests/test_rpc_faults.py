@@ -30,25 +30,17 @@ RANKS = 3
 
 pytestmark = pytest.mark.skipif(LAUNCHER is None, reason="no MPI launcher found")
 
-#: job name -> the script's arguments
-JOBS = {
-    "rpc-sigterm-rank": [],
-    "rpc-sigterm-all": [],
-    "rpc-sigterm-launcher": [],
-    "rpc-sigkill-rank": [],
-    "rpc-rank-exits": ["--exit-rank", "1"],
-    "lightning-sigterm-trainer": ["--lightning"],
-    "lightning-sigterm-all": ["--lightning"],
-}
+#: The two kinds of job: plain RPC training, and a Lightning job (two trainers, one server).
+KINDS = pytest.mark.parametrize("args", [[], ["--lightning"]], ids=["rpc", "lightning"])
 
 
 class Running:
     """A started job and the folder where its ranks leave their pids."""
 
-    def __init__(self, name: str, folder: Path):
+    def __init__(self, args: list[str], folder: Path):
         self.folder = folder
         script = str(TESTS / "jobs" / "train_until_signalled.py")
-        argv = [sys.executable, "-m", "mpi4py", script, *JOBS[name]]
+        argv = [sys.executable, "-m", "mpi4py", script, *args]
         self.job = start_mpi_job(RANKS, argv, JOB_TIMEOUT_S, folder)
 
     def pids(self) -> dict[int, int]:
@@ -94,8 +86,8 @@ def start(tmp_path):
     behind each other)."""
     started = []
 
-    def start_job(name: str) -> Running:
-        started.append(Running(name, tmp_path))
+    def start_job(*args: str) -> Running:
+        started.append(Running(list(args), tmp_path))
         return started[-1]
 
     yield start_job
@@ -103,16 +95,20 @@ def start(tmp_path):
         running.job.kill()
 
 
-def test_sigterm_to_one_rank_ends_the_job(start):
-    running = start("rpc-sigterm-rank")
+@KINDS
+def test_sigterm_to_one_rank_ends_the_job(start, args):
+    """In a Lightning job, Lightning's own SIGTERM handler stops that trainer's loop, after
+    which a graceful shutdown would wait for the other trainer and the server for ever."""
+    running = start(*args)
     pids = running.wait_training()
     os.kill(pids[1], signal.SIGTERM)
     assert "rank 1 received SIGTERM; aborting the MPI job" in running.ends_within_bound(pids)
 
 
-def test_sigterm_to_every_rank_ends_the_job(start):
+@KINDS
+def test_sigterm_to_every_rank_ends_the_job(start, args):
     """As ``scancel`` or a time limit without ``--signal`` do."""
-    running = start("rpc-sigterm-all")
+    running = start(*args)
     pids = running.wait_training()
     for pid in pids.values():
         os.kill(pid, signal.SIGTERM)
@@ -120,7 +116,7 @@ def test_sigterm_to_every_rank_ends_the_job(start):
 
 
 def test_sigterm_to_the_launcher_ends_the_job(start):
-    running = start("rpc-sigterm-launcher")
+    running = start()
     pids = running.wait_training()
     running.job.proc.send_signal(signal.SIGTERM)
     running.ends_within_bound(pids)
@@ -128,7 +124,7 @@ def test_sigterm_to_the_launcher_ends_the_job(start):
 
 @pytest.mark.parametrize("rank", [1, 2], ids=["trainer", "server already in shutdown"])
 def test_a_killed_rank_ends_the_job(start, rank):
-    running = start("rpc-sigkill-rank")
+    running = start()
     pids = running.wait_training()
     os.kill(pids[rank], signal.SIGKILL)
     running.ends_within_bound(pids)
@@ -138,25 +134,8 @@ def test_a_rank_that_leaves_without_shutting_down_ends_the_job(start):
     """Exit status 0 and no ``rpc.shutdown()``: a launcher that kills the job only on a
     failed rank (``srun --kill-on-bad-exit=1``) leaves the others running; their agents
     see the rank's process end and abort the job."""
-    running = start("rpc-rank-exits")
+    running = start("--exit-rank", "1")
     pids = running.wait_training()
     (running.folder / "go").write_text("")
     output = running.ends_within_bound(pids)
     assert "rank 1 leaves without shutting down" in output
-
-
-def test_sigterm_to_one_trainer_of_a_lightning_job_ends_the_job(start):
-    """Lightning's own SIGTERM handler stops that trainer's loop, after which a graceful
-    shutdown would wait for the other trainer and the server for ever."""
-    running = start("lightning-sigterm-trainer")
-    pids = running.wait_training()
-    os.kill(pids[1], signal.SIGTERM)
-    assert "rank 1 received SIGTERM; aborting the MPI job" in running.ends_within_bound(pids)
-
-
-def test_sigterm_to_every_rank_of_a_lightning_job_ends_the_job(start):
-    running = start("lightning-sigterm-all")
-    pids = running.wait_training()
-    for pid in pids.values():
-        os.kill(pid, signal.SIGTERM)
-    running.ends_within_bound(pids)
