@@ -276,7 +276,8 @@ def node_post_hooks(node: Any) -> dict:
 
     No public alternative as of torch 2.13 (same from 2.5 on): a node keeps its Python
     post-hooks in one dict, which a new hook's ``RemovableHandle`` points to; a stand-in
-    hook added and removed reads it.
+    hook added and removed reads it. A node that had no hook keeps the empty dict, as
+    after a user removes a hook. About 2 to 3 us a node.
     """
     handle = node.register_hook(_no_op_hook)
     hooks = handle.hooks_dict_ref()
