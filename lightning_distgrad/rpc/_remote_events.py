@@ -1,16 +1,17 @@
 """Remote events: what a call's callee records for the caller's torch profiler.
 
-A call made while a torch profiler records its thread travels as a PROFILED_REQUEST,
-with the profiler's ``record_shapes`` and ``profile_memory``. Its callee runs it under a
-profiler of its own with those settings and sends what that recorded back in a
-REMOTE_EVENTS frame just before the response (frames between two workers arrive in the
-order they were sent), and the caller's profiler lists those events as torch's RPC
-profiling does: named ``<call's key>#remote_op: <event>``, with ``node_id`` the worker
-that ran them, ``is_remote`` set, and their input shapes and memory. This works for
-``torch.profiler.profile`` and ``torch.autograd.profiler.profile`` (Kineto, which
-records one profile at a time) and for the legacy ``torch.autograd.profiler_legacy.
-profile`` that torch's RPC profiling supports (one per thread). Calls made without a
-profiler on their thread send plain REQUESTs: the only cost to them is one check.
+A call made while a torch profiler records its RPCs (see ``_profiling.recording_rpcs``)
+travels as a PROFILED_REQUEST, with the profiler's ``record_shapes`` and
+``profile_memory``. Its callee runs it under a profiler of its own with those settings
+and sends what that recorded back in a REMOTE_EVENTS frame just before the response
+(frames between two workers arrive in the order they were sent), and the caller's
+profiler lists those events as torch's RPC profiling does: named ``<call's
+key>#remote_op: <event>``, with ``node_id`` the worker that ran them, ``is_remote`` set,
+and their input shapes and memory. This works for the legacy
+``torch.autograd.profiler_legacy.profile`` that torch's RPC profiling supports (one per
+thread) and, inside ``record_rpcs()``, for ``torch.profiler.profile`` and
+``torch.autograd.profiler.profile`` (Kineto, which records one profile at a time).
+Other calls send plain REQUESTs: the only cost to them is one check.
 """
 
 from __future__ import annotations
