@@ -31,7 +31,7 @@ CUDA ones that need more GPUs) neither pass nor fail. ``--include-excluded`` run
 excluded tests too (and reports them; they do not fail the run).
 
 Results: ``--out DIR`` (default: a new folder under $TMPDIR) gets ``report.json`` (every
-test: class, outcome, seconds, traceback of each failing rank, list entry), ``summary.txt``
+test: class, outcome, seconds, traceback of each failing rank, exclusion reason), ``summary.txt``
 (the table printed at the end: pass/fail/hang/crash/skip/excluded per class) and the
 per-rank logs of each job (``<class>.job<k>.rank<r>.out/err``).
 """
