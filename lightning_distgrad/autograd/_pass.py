@@ -36,7 +36,7 @@ from torch.autograd.graph import GradientEdge
 
 from .._compat import engine_run_backward, node_post_hooks, num_node_inputs, tensor_hooks
 from ..rpc._errors import timeout_error
-from ..rpc._profiling import recording, span
+from ..rpc._profiling import run_recorded
 from ._context import DistAutogradContext, sum_grads
 from ._credit import NO_CREDIT, Credit, add_credit, is_all_credit
 from ._graph import Graph, is_leaf_node
@@ -152,13 +152,8 @@ class Pass:
         ``None`` instead of the list: every gradient of that send is absent.
         """
         with self.lock:
-            recorded = recording()  # once per delivery: the cost of not profiling
             for msg_id, grads in items:
-                if recorded:
-                    with span(SEND_FUNCTION_SPAN):
-                        self._deliver_send(msg_id, grads)
-                else:
-                    self._deliver_send(msg_id, grads)
+                run_recorded(SEND_FUNCTION_SPAN, self._deliver_send, msg_id, grads)
             return self._run(ship)
 
     def _deliver_send(self, msg_id: int, grads: list | None) -> None:
@@ -394,11 +389,7 @@ class Pass:
             self.finalized.add(node)
             grads = self.buffers.pop(node, {})
             if node in self.recv_ids:
-                if recording():
-                    with span(RECV_FUNCTION_SPAN):
-                        peer, item = self._recv_gradients(node, grads)
-                else:
-                    peer, item = self._recv_gradients(node, grads)
+                peer, item = run_recorded(RECV_FUNCTION_SPAN, self._recv_gradients, node, grads)
                 by_peer.setdefault(peer, []).append(item)
             else:
                 grad = self._run_held_hooks(node, grads.get(0))
