@@ -29,7 +29,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -547,12 +547,10 @@ class Agent:
     def not_flushed(self, round_: int, wait: float = 0.0) -> list[int]:
         """The ranks whose FLUSH(``round_``) has not arrived yet, after waiting up to
         ``wait`` s for that list to change."""
-        with self._flushed_changed:
-            missing = [r for r, last in enumerate(self._flushed) if last < round_]
-            if missing and wait > 0:
-                self._flushed_changed.wait(wait)
-                missing = [r for r in missing if self._flushed[r] < round_]
-            return missing
+        ranks = range(len(self.infos))
+        return _still_missing(
+            self._flushed_changed, ranks, lambda r: self._flushed[r] < round_, wait
+        )
 
     def _on_flush(self, source: int, frame: Frame, tensors: list) -> None:
         """Each worker's FLUSH rounds arrive in order, one after the other; any other
@@ -572,13 +570,8 @@ class Agent:
     def not_joined(self, wait: float = 0.0) -> list[int]:
         """The other ranks that have not joined yet, after waiting up to ``wait`` s for
         that list to change."""
-        with self._joined_changed:
-            me = self.info.id
-            missing = [i.id for i in self.infos if i.id != me and i.id not in self._joined]
-            if missing and wait > 0:
-                self._joined_changed.wait(wait)
-                missing = [r for r in missing if r not in self._joined]
-            return missing
+        others = [i.id for i in self.infos if i.id != self.info.id]
+        return _still_missing(self._joined_changed, others, lambda r: r not in self._joined, wait)
 
     def stop(self, wait: bool = True, flush_timeout: float = 5.0, drained: bool = False) -> None:
         """Stop threads and free communicators; ``wait``: for running handlers too;
@@ -592,3 +585,16 @@ class Agent:
         for pending in list(self._pending.values()):
             set_error(pending.future, RuntimeError("RPC agent shut down before a response"))
         self._pending.clear()
+
+
+def _still_missing(
+    changed: threading.Condition, ranks: Iterable[int], missing: Callable[[int], bool], wait: float
+) -> list[int]:
+    """The ``ranks`` still ``missing``, after waiting up to ``wait`` s for ``changed``
+    (notified, under its lock, whenever what ``missing`` reads changes)."""
+    with changed:
+        left = [r for r in ranks if missing(r)]
+        if left and wait > 0:
+            changed.wait(wait)
+            left = [r for r in left if missing(r)]
+        return left
