@@ -81,6 +81,12 @@ def _placed(
         yield (f"{key}{REMOTE_OP_STR}{name}", shift + start, shift + end, *rest)
 
 
+def in_profile_order(events: list) -> list:
+    """``events`` (FunctionEvents) in the order torch's profiles list them: by start, an
+    event before those it encloses."""
+    return sorted(events, key=lambda e: [e.time_range.start, -e.time_range.end])
+
+
 def _function_events(calls: list, base_ns: int, use_device: Any, legacy: bool) -> list:
     """FunctionEvents of ``calls`` (``(key, start_ns, end_ns, duration_us, events)``), in us
     since ``base_ns``, as a profile (``legacy``: a legacy one) lists remote events."""
@@ -257,9 +263,7 @@ def _add_unread_remote_events(profile: Any, result: Any, events: list) -> list:
     first = getattr(profile, "profiling_start_time_ns", None)
     last = getattr(profile, "profiling_end_time_ns", None)
     remote = _unread.take(first, last, result.trace_start_ns(), profile.use_device)
-    if not remote:
-        return events
-    return sorted(events + remote, key=lambda e: [e.time_range.start, -e.time_range.end])
+    return in_profile_order(events + remote) if remote else events
 
 
 class _LegacyCalls:
@@ -299,9 +303,7 @@ def _add_legacy_remote_events(records: list, events: list) -> list:
         return events
     start_ns = legacy_profile_start_ns(records)  # legacy events count from there, in us
     remote = calls.take(start_ns) if start_ns is not None else []
-    if not remote:
-        return events
-    return sorted(events + remote, key=lambda e: [e.time_range.start, -e.time_range.end])
+    return in_profile_order(events + remote) if remote else events
 
 
 def watch_profilers() -> None:

@@ -24,6 +24,7 @@ from .._compat import (
     parse_legacy_records,
     profiler_enabled,
 )
+from ._remote_events import in_profile_order
 
 __all__ = [
     "_disable_server_process_global_profiler",
@@ -134,9 +135,7 @@ class _server_process_global_profile(torch.autograd.profiler_legacy.profile):  #
             return False
         per_request = []
         for records in _disable_server_process_global_profiler():
-            events = parse_legacy_records(records)
-            events.sort(key=lambda e: [e.time_range.start, -e.time_range.end])
-            per_request.append(events)
+            per_request.append(in_profile_order(parse_legacy_records(records)))
         self.function_events = torch.autograd.profiler_util.EventList(
             list(itertools.chain.from_iterable(per_request)),
             use_device="cuda" if self.use_cuda else None,
