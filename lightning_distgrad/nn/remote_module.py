@@ -38,11 +38,11 @@ _SerializedRemoteModule = collections.namedtuple(  # type: ignore[misc]
     "_SerializedRemoteModule", _REMOTE_MODULE_PICKLED_ATTRIBUTES
 )
 
-#: Attributes that are rebuilt on the receiver instead: ``nn.Module``'s own
-#: state (fresh and empty there) and the installed ``forward``/``forward_async``.
 #: ``nn.Module``'s own per-instance state (``training``, parameter tables, hooks).
 _MODULE_STATE = frozenset(vars(nn.Module()))
 
+#: Attributes that are rebuilt on the receiver instead: ``nn.Module``'s own
+#: state (made on first use there) and the installed ``forward``/``forward_async``.
 _REMOTE_MODULE_ATTRIBUTES_IGNORE_FOR_PICKLING = _MODULE_STATE | {
     "forward_async",
     "forward",
