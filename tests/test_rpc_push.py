@@ -132,8 +132,12 @@ def _pushed_request(transport, world, nbytes: int) -> tuple[rpc.Future, tuple[in
     def hostile(dst, frame, tensors, devices=None):
         if frame.kind is not Kind.REQUEST:  # replies of other threads go out intact
             return original(dst, frame, tensors, devices)
-        transport.send_raw(dst, frame.dumps((meta,)), [])
-        tag = (transport._sender.next_seq[dst] - 1) % transport._tag_mod
+        # The tag is this frame's only if no other thread (a server's reply) posts to
+        # dst between our post and the read: both happen under the transport's lock.
+        with transport._lock:
+            transport._sender.post(dst, frame.dumps((meta,)), [], "raw", [])
+            tag = (transport._sender.next_seq[dst] - 1) % transport._tag_mod
+        transport._bell.ring(dst)
         tags.append(_push.push_tags(tag, transport._tag_mod))
 
     transport.send = hostile
