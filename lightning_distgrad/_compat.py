@@ -285,6 +285,21 @@ def node_post_hooks(node: Any) -> dict:
     return dict(hooks) if hooks else {}
 
 
+# No public alternative as of torch 2.14 (torch.multiprocessing shares CUDA tensors with them):
+# a CUDA storage's IPC export, ``(device, memory handle, size, offset in its block, reference
+# counter handle, counter offset, event handle, event recorded)``, and its import in another
+# process. The export records an interprocess event on the current stream, and torch's
+# cross-process reference counter keeps the block from reuse until every import is released;
+# an import waits for that event on the current stream, and its release synchronises the then
+# current stream before it decrements the counter.
+share_cuda_storage: Callable[[torch.UntypedStorage], tuple] = _private(
+    "torch.UntypedStorage", "_share_cuda_"
+)
+open_cuda_storage: Callable[..., torch.UntypedStorage] = _private(
+    "torch.UntypedStorage", "_new_shared_cuda"
+)
+
+
 def num_node_inputs(node: Any) -> int:
     """How many gradients an autograd node takes (one per output of its forward).
 

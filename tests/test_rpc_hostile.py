@@ -63,6 +63,7 @@ BAD_METAS = {
     "inline bytes mismatch": ((FLOAT32, (3,), 12, bytearray(5), "cpu"), "inline bytes"),
     "4 TiB declared": ((FLOAT32, (TIB // 4,), TIB, None, "cpu"), "max_message_bytes"),
     "missing device": ((FLOAT32, (3,), 12, bytearray(12), "cuda:7"), "which this worker lacks"),
+    "CUDA IPC export to the CPU": ((FLOAT32, (3,), 12, ("cuda-ipc", (), 0), "cpu"), "IPC export"),
     "not a tuple": ([FLOAT32, (3,), 12, bytearray(12), "cpu"], "description"),
 }
 

@@ -153,3 +153,35 @@ def test_operators_travel_as_cached_references_and_bound_methods_with_their_obje
     assert items.append not in _wire._function_bytes
     append(3)
     assert append.__self__ == [1, 2, 3] and items == [1, 2]
+
+
+# A CUDA IPC export as torch writes it: (device, memory handle, size, offset, counter
+# handle, counter offset, event handle, event recorded), then the tensor's storage offset.
+_SHARE = (0, b"h" * 64, 4096, 0, b"/torch_1_2", 3, b"e" * 64, True)
+_GPU_LIMITS = _wire.FrameLimits(1 << 30, frozenset({"cpu", "cuda", "cuda:0"}))
+
+
+def _ipc_frame(inline, device: str = "cuda:0") -> bytes:
+    meta = (_wire._DTYPE_CODES[torch.float32], (3,), 12, inline, device)
+    return _wire.Frame(_wire.Kind.REQUEST, 1, b"", (meta,)).dumps()
+
+
+def test_a_well_formed_cuda_ipc_export_decodes():
+    frame = _wire.decode_frame(_ipc_frame(("cuda-ipc", _SHARE, 0)), _GPU_LIMITS)
+    assert frame.metas[0][3] == ("cuda-ipc", _SHARE, 0)
+
+
+@pytest.mark.parametrize(
+    "inline, device, says",
+    [
+        (("cuda-ipc", _SHARE, 0), "cpu", "CUDA IPC export mapped to the CPU"),
+        (("cuda-ipc", _SHARE[:7], 0), "cuda:0", "not torch's 8-field export"),
+        (("cuda-ipc", (*_SHARE[:1], "h", *_SHARE[2:]), 0), "cuda:0", "wrong types"),
+        (("cuda-ipc", _SHARE, -1), "cuda:0", "negative device or offset"),
+        (("other", _SHARE, 0), "cuda:0", "neither bytes nor an IPC export"),
+        (("cuda-ipc", _SHARE, 0), "cuda:7", "which this worker lacks"),
+    ],
+)
+def test_a_malformed_cuda_ipc_export_is_refused_saying_why(inline, device, says):
+    with pytest.raises(_wire.MalformedFrame, match=re.escape(says)):
+        _wire.decode_frame(_ipc_frame(inline, device), _GPU_LIMITS)

@@ -304,7 +304,8 @@ def send_gradients(
     layout, tensors = encode_gradients(items)
     body = Gradients(p.ctx._context_id(), layout, p.retain_graph, p.pass_id, credit, report)
     name = functools.partial(_message_span, SEND_SPAN, agent.info.id, peer, tensors)
-    run_recorded(name, agent.send_one_way, peer, Kind.GRADIENTS, body, tensors)
+    devices = agent.gradient_devices(tensors, peer)
+    run_recorded(name, agent.send_one_way, peer, Kind.GRADIENTS, body, tensors, devices)
 
 
 class Outbox:

@@ -189,7 +189,7 @@ class Pass:
                 continue
             if grad is not None:
                 if nr < len(devices) and grad.device != devices[nr]:
-                    grad = grad.to(devices[nr])  # gradients travel through host memory
+                    grad = grad.to(devices[nr])  # no device map covered it: it came on the CPU
                 if is_leaf_node(child):
                     self._hold_hooks(child)
                 self._add(child, child_nr, grad)
@@ -419,8 +419,7 @@ class Pass:
         with self.ctx.lock:
             peer = self.ctx.recv_peers[msg_id]
             count = len(self.ctx.recv_meta[msg_id])
-        # Shipped through host memory: no device map needed for gradients.
-        full = [grads[i].cpu() if grads.get(i) is not None else None for i in range(count)]
+        full = [grads.get(i) for i in range(count)]
         return peer, (msg_id, full)
 
     # -- state ----------------------------------------------------------------------

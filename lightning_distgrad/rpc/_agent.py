@@ -76,6 +76,7 @@ class Agent:
         num_worker_threads: int,
         on_arrival: Callable[[int, Frame], None],
         limits: FrameLimits,
+        cuda_ranks: frozenset[int] = frozenset(),
     ):
         self.comm = comm  # what the agent runs over: its ranks are the worker ids
         self.infos = infos
@@ -119,6 +120,7 @@ class Agent:
             self._on_unreadable,
             limits=limits,
             transfer_timeout=transfer_timeout,
+            cuda_ranks=cuda_ranks,
         )
         self._peer_watch = PeerWatch(node_peers(comm), self._on_peer_lost)
         self._deadlines = Deadlines(self.transport, self._pending, self._expire_call)
@@ -236,16 +238,23 @@ class Agent:
         return recorded
 
     def send_one_way(
-        self, dst_id: int, kind: Kind, body: tuple, tensors: list[torch.Tensor] = ()
+        self,
+        dst_id: int,
+        kind: Kind,
+        body: tuple,
+        tensors: list[torch.Tensor] = (),
+        devices: list[str] | None = None,
     ) -> None:
         """Send a one-way frame of a registered ``kind`` (see :func:`register_one_way`).
 
         For the library's own messages: ``body`` holds plain values (no tensors, no
-        RRefs); ``tensors`` travel as the frame's tensor table. Never recorded by
-        distributed autograd.
+        RRefs); ``tensors`` travel as the frame's tensor table, to ``devices`` on
+        ``dst_id`` (default: by this worker's device map). Never recorded by distributed
+        autograd.
         """
         tensors = list(tensors)
-        devices = self._devices(tensors, dst_id)
+        if devices is None:
+            devices = self._devices(tensors, dst_id)
         self.transport.send(dst_id, Frame(kind, -1, None, (), tuple(body)), tensors, devices)
 
     def _encode(self, obj: Any, dst: WorkerInfo, func: Any):
@@ -272,6 +281,13 @@ class Agent:
             _devices.invert(self.device_maps[dst_id][me]) if reply else self.device_maps[me][dst_id]
         )
         return _devices.target_devices(tensors, device_map, self.info.name, self.infos[dst_id].name)
+
+    def gradient_devices(self, tensors: list, dst_id: int) -> list[str] | None:
+        """Each gradient's device on ``dst_id``, which sent the tensors they belong to (see
+        ``_devices.gradient_devices``)."""
+        me = self.info.id
+        back = _devices.invert(self.device_maps[dst_id][me])
+        return _devices.gradient_devices(tensors, back, self.device_maps[me][dst_id])
 
     def _count_processed(self) -> None:
         with self._count_lock:

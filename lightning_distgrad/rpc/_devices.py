@@ -2,8 +2,8 @@
 
 As in ``torch.distributed.rpc``, a CUDA tensor may only be sent to a worker
 for which this worker has a device map; responses use the inverse of the
-caller's map. Tensors are staged through host memory (the agent does not
-assume a CUDA-aware MPI) and moved to the mapped device on arrival.
+caller's map, and gradients in a distributed backward pass the inverse of the map
+that sent their tensors (see ``_cuda`` for how CUDA tensors travel).
 """
 
 from __future__ import annotations
@@ -37,4 +37,20 @@ def target_devices(
                 "the MPIRpcBackendOptions passed to init_rpc."
             )
         devices.append(str(mapped))
+    return devices
+
+
+def gradient_devices(
+    tensors: list[torch.Tensor], back_map: DeviceMap, own_map: DeviceMap
+) -> list[str] | None:
+    """Each gradient's device on the worker that sent the tensors they belong to: where
+    ``back_map`` (the inverse of that worker's map to this one) puts it, else ``own_map``
+    (this worker's map to it), else the CPU, through host memory (that worker then moves it
+    to its tensor's device). None when all are CPU tensors."""
+    if all(t.is_cpu for t in tensors):
+        return None
+    devices = []
+    for t in tensors:
+        mapped = None if t.is_cpu else back_map.get(t.device, own_map.get(t.device))
+        devices.append("cpu" if mapped is None else str(mapped))
     return devices

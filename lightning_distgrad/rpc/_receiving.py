@@ -4,7 +4,9 @@ Called only under the transport's lock. A frame is decoded and validated before
 any buffer is allocated for it; its tensor bytes are received into fresh (or
 pooled) tensors, by MPI or written by their sender (pushed, see ``_push``); a
 transfer that does not complete by its deadline is cancelled and its buffers
-dropped (those promised to a pushing sender once its DONE came). Whatever
+dropped (those promised to a pushing sender once its DONE came). Tensors mapped to a
+GPU are copied there (from an IPC export at once, from their host bytes once they
+arrived) and the frame waits until the copies finished (see ``_cuda``). Whatever
 completes, or fails, is appended to the
 ``ready`` queue the transport hands over: ``(source, frame, tensors)``, or a
 :class:`MalformedFrame` with its ``source`` set.
@@ -19,6 +21,7 @@ import time
 from mpi4py import MPI
 
 from ._buffers import ReceiveBufferPool
+from ._cuda import DeviceCopies, finished
 from ._profiling import active_log
 from ._push import PushReceive, push_tags
 from ._wire import (
@@ -29,6 +32,7 @@ from ._wire import (
     allocate_tensor,
     chunks,
     decode_frame,
+    meta_dtype,
     tensor_bytes_view,
 )
 
@@ -36,9 +40,19 @@ from ._wire import (
 class _Incoming:
     """A frame whose tensor bytes are still arriving (or that waits behind one that is)."""
 
-    __slots__ = ("source", "frame", "tensors", "requests", "sizes", "push", "deadline")
+    __slots__ = (
+        "source",
+        "frame",
+        "tensors",
+        "requests",
+        "sizes",
+        "push",
+        "deadline",
+        "uploads",
+        "copies",
+    )
 
-    def __init__(self, source, frame, tensors, requests, sizes, push, deadline):
+    def __init__(self, source, frame, tensors, requests, sizes, push, deadline, uploads, copies):
         self.source = source
         self.frame = frame
         self.tensors = tensors
@@ -46,6 +60,8 @@ class _Incoming:
         self.sizes = sizes  # bytes expected by each MPI receive
         self.push = push  # PushReceive of the pushed tensors, or None
         self.deadline = deadline
+        self.uploads = uploads  # whether host bytes are to be copied to a GPU once here
+        self.copies = copies  # GPU copies queued (``_cuda.Copy``)
 
 
 _COMPLETE = object()
@@ -80,6 +96,7 @@ class Receiver:
         # Senders answered since the transport last rang them (they may nap).
         self.answered: list[int] = []
         self._buffers = ReceiveBufferPool()
+        self._copies: DeviceCopies | None = None  # made on the first CUDA tensor
         self._status = MPI.Status()
         self._scratch = bytearray(1)
 
@@ -154,8 +171,16 @@ class Receiver:
         tensors = []
         pulled = []  # views MPI fills, in the order their sender posted them
         pushed = []
+        copies = []
+        uploads = False
         try:
             for meta in frame.metas:
+                if type(meta[3]) is tuple:  # a CUDA IPC export
+                    t, copy = self._import(frame, meta)
+                    tensors.append(t)
+                    copies.append(copy)
+                    continue
+                uploads |= meta[4] != "cpu"
                 t = allocate_tensor(meta, self._buffers)
                 tensors.append(t)
                 if meta[3] is None:  # not inline: the bytes follow on ``data``
@@ -180,7 +205,7 @@ class Receiver:
             requests += push.requests
         # Frames from one source are handed over in the order they came: one whose
         # bytes are still arriving holds back the later ones.
-        if requests or any(item.source == source for item in self.incoming):
+        if requests or uploads or copies or any(item.source == source for item in self.incoming):
             self.incoming.append(
                 _Incoming(
                     source,
@@ -190,10 +215,23 @@ class Receiver:
                     sizes,
                     push,
                     time.monotonic() + self.transfer_timeout,
+                    uploads,
+                    copies,
                 )
             )
         else:
             ready.append((source, frame, tensors))
+
+    def _device_copies(self) -> DeviceCopies:
+        if self._copies is None:
+            self._copies = DeviceCopies()
+        return self._copies
+
+    def _import(self, frame: Frame, meta: tuple) -> tuple:
+        try:
+            return self._device_copies().import_ipc(meta[3], meta_dtype(meta), meta[1], meta[4])
+        except RuntimeError as e:  # its sender ended, or the export is not one
+            raise MalformedFrame(f"its CUDA IPC export could not be opened ({e})", frame) from None
 
     def _test_transfers(self, ready: collections.deque) -> bool:
         now = time.monotonic()
@@ -217,8 +255,31 @@ class Receiver:
         return progressed
 
     def _transfer_problem(self, item: _Incoming, now: float) -> object | None:
-        """None while the bytes arrive; _COMPLETE once all did; else what went wrong
-        (the transfer is then abandoned and its buffers freed)."""
+        """None while the bytes arrive or are copied to their GPU; _COMPLETE once all are
+        there; else what went wrong (the transfer is then abandoned and its buffers freed)."""
+        if item.requests:
+            state = self._bytes_state(item, now)
+            if state is not _COMPLETE:
+                return state
+            item.requests, item.sizes, item.push = [], [], None  # checked: not again
+        if item.uploads:
+            copies = self._device_copies()
+            for i, meta in enumerate(item.frame.metas):
+                if meta[4] != "cpu" and type(meta[3]) is not tuple:
+                    item.tensors[i], copy = copies.upload(item.tensors[i], meta[4])
+                    item.copies.append(copy)
+            item.uploads = False
+        if item.copies:
+            if not finished(item.copies):
+                return None  # a GPU copy ends by itself: no deadline
+            for copy in item.copies:
+                copy.release()
+            item.copies = []
+        return _COMPLETE
+
+    def _bytes_state(self, item: _Incoming, now: float) -> object | None:
+        """None while the MPI receives and the push run; _COMPLETE once they did; else
+        what went wrong."""
         statuses = [MPI.Status() for _ in item.requests]
         try:
             if not MPI.Request.Testall(item.requests, statuses):

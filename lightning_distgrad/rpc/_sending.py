@@ -15,22 +15,33 @@ from collections.abc import Callable
 import torch
 from mpi4py import MPI
 
+from ._cuda import Exporter, ipc_peers
 from ._profiling import active_log
 from ._push import PushSend, push_tags, should_push, writable_peers
-from ._wire import PUSHED, Frame, chunks, prepare_tensor, tensor_bytes_view
+from ._wire import PUSHED, Frame, chunks, exported_meta, prepare_tensor, tensor_bytes_view
 
 
 class Sender:
     """Posts messages to the ranks of ``ctrl`` and drives them to completion."""
 
     def __init__(
-        self, ctrl: MPI.Comm, data: MPI.Comm, push: MPI.Comm, transfer_timeout: float, tag_mod: int
+        self,
+        ctrl: MPI.Comm,
+        data: MPI.Comm,
+        push: MPI.Comm,
+        transfer_timeout: float,
+        tag_mod: int,
+        cuda_ranks: frozenset[int],
     ):
         self.ctrl, self.data, self.push = ctrl, data, push
         self.transfer_timeout = transfer_timeout
         self.tag_mod = tag_mod
         size = ctrl.Get_size()
         self.push_pids = writable_peers(ctrl)  # peers whose buffers this rank writes
+        # Peers that import our CUDA tensors over CUDA IPC (``cuda_ranks`` is the same on
+        # every rank, so all or none take part in the probe).
+        self.ipc_peers = ipc_peers(ctrl, cuda_ranks) if cuda_ranks else frozenset()
+        self._exporter = Exporter()
         self.next_seq = [0] * size
         self.frames_sent = 0
         self.sent_to = [[0, 0] for _ in range(size)]  # per peer: frames, bytes
@@ -52,8 +63,13 @@ class Sender:
         """
         buffers, pushed, metas = [], [], []
         push = dst in self.push_pids
+        ipc = dst in self.ipc_peers
         for i, t in enumerate(tensors):
-            meta, data = prepare_tensor(t, devices[i] if devices else "cpu")
+            device = devices[i] if devices else "cpu"
+            if ipc and device != "cpu" and t.is_cuda and t.numel():
+                metas.append(exported_meta(t, self._exporter.export(t), device))
+                continue
+            meta, data = prepare_tensor(t, device)
             if data is not None:
                 if push and should_push(data.nbytes, owned(data)):
                     meta = (*meta[:3], PUSHED, meta[4])

@@ -52,7 +52,7 @@ from ._doorbell import Backoff, node_doorbell
 from ._push import PushSend
 from ._receiving import Receiver
 from ._sending import Sender
-from ._wire import Frame, FrameLimits, MalformedFrame, to_target_device
+from ._wire import Frame, FrameLimits, MalformedFrame
 
 log = logging.getLogger("lightning_distgrad.rpc")
 
@@ -115,7 +115,9 @@ class Transport:
     message, in arrival order, on the polling thread, outside the lock.
     ``on_malformed(source, error)`` runs for a frame that could not be read
     (``error.frame`` is its header when that decoded). ``transfer_timeout``
-    bounds how long tensor bytes may take to arrive after their frame.
+    bounds how long tensor bytes may take to arrive after their frame. ``cuda_ranks``
+    (the same on every rank): the ranks that send or receive CUDA tensors, which probe
+    CUDA IPC with each other (see ``_cuda``).
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class Transport:
         *,
         limits: FrameLimits,
         transfer_timeout: float,
+        cuda_ranks: frozenset[int] = frozenset(),
     ):
         if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
             raise RuntimeError(
@@ -147,7 +150,9 @@ class Transport:
         self._receiver = Receiver(
             self.ctrl, self.data, self.push, limits, transfer_timeout, self._tag_mod
         )
-        self._sender = Sender(self.ctrl, self.data, self.push, transfer_timeout, self._tag_mod)
+        self._sender = Sender(
+            self.ctrl, self.data, self.push, transfer_timeout, self._tag_mod, cuda_ranks
+        )
         # Everything below is guarded by _lock.
         self._lock = threading.Lock()
         self._state = State.RUNNING
@@ -227,8 +232,9 @@ class Transport:
             return self._sender.frames_sent
 
     def traffic(self) -> list[dict[str, int]]:
-        """Per peer rank: frames and bytes sent to it and received from it so far, and
-        whether big tensors to it are written into its buffers (see ``_push``)."""
+        """Per peer rank: frames and bytes sent to it and received from it so far, whether
+        big tensors to it are written into its buffers (see ``_push``), and whether CUDA
+        tensors to it travel over CUDA IPC (else staged through host memory, see ``_cuda``)."""
         with self._lock:
             return [
                 {
@@ -237,6 +243,7 @@ class Transport:
                     "messages_received": r[0],
                     "bytes_received": r[1],
                     "writes_directly": rank in self._sender.push_pids,
+                    "cuda_ipc": rank in self._sender.ipc_peers,
                 }
                 for rank, (s, r) in enumerate(
                     zip(self._sender.sent_to, self._receiver.received_from, strict=True)
@@ -500,8 +507,6 @@ class Transport:
             )
 
     def _deliver(self, source: int, frame: Frame, tensors: list) -> None:
-        if any(meta[4] != "cpu" for meta in frame.metas):
-            tensors = [to_target_device(t, m) for t, m in zip(tensors, frame.metas, strict=True)]
         if frame.sparse:
             try:
                 tensors = _sparse.unflatten(tensors, frame.sparse)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .._compat import CFuture
-from . import _sparse
+from . import _cuda, _sparse
 
 if TYPE_CHECKING:
     from ._buffers import ReceiveBufferPool
@@ -104,7 +104,8 @@ class Frame(NamedTuple):
     kind: Kind
     call_id: int  # REQUEST and RESPONSE; -1 for one-way kinds
     payload: bytes | None  # None: a RESPONSE whose value is its one tensor
-    # One (dtype code, shape, nbytes, inline bytes or None or PUSHED, device) per tensor.
+    # One (dtype code, shape, nbytes, inline bytes or None or PUSHED or a CUDA IPC export,
+    # device) per tensor.
     metas: tuple = ()
     # A call's distributed-autograd metadata, or a one-way kind's typed body (sent as a
     # plain tuple).
@@ -233,13 +234,17 @@ def _meta_problem(meta: Any, limits: FrameLimits) -> str | None:
         )
     if inline is PUSHED:
         return None
-    if inline is not None and (type(inline) not in (bytes, bytearray) or len(inline) != nbytes):
-        return f"its inline bytes do not match the declared {nbytes} bytes"
     if type(device) is not str or device not in limits.devices:
         return (
             f"it is mapped to device {device!r}, which this worker lacks "
             f"(it has {sorted(limits.devices)}); fix the sender's device map"
         )
+    if type(inline) is tuple:
+        if device == "cpu":
+            return "it is a CUDA IPC export mapped to the CPU"
+        return _cuda.export_problem(inline)
+    if inline is not None and (type(inline) not in (bytes, bytearray) or len(inline) != nbytes):
+        return f"its inline bytes do not match the declared {nbytes} bytes"
     return None
 
 
@@ -433,8 +438,8 @@ def prepare_tensor(
     Returns (meta, CPU tensor to send as a buffer, or None when inline); the
     meta is (dtype code, shape, byte count, inline bytes or None, device).
     """
-    if not t.is_cpu:
-        t = t.cpu()  # staged through host memory
+    if not t.is_cpu:  # staged through host memory
+        t = _cuda.to_pinned_host(t) if t.nbytes > inline_limit else t.cpu()
     # Lazy conjugate/negative views (``z.conj()``) keep the un-negated bytes in
     # memory: materialise them, or the raw bytes would be wrong (and ``view``
     # to uint8 raises for big ones). No-op copies for ordinary tensors.
@@ -451,9 +456,13 @@ def prepare_tensor(
     return (_DTYPE_CODES[t.dtype], tuple(t.shape), nbytes, None, device), t.detach()
 
 
-def to_target_device(t: torch.Tensor, meta: tuple) -> torch.Tensor:
-    """Move a received CPU tensor to the device its sender mapped it to."""
-    return t if meta[4] == "cpu" else t.to(meta[4])
+def exported_meta(t: torch.Tensor, export: tuple, device: str) -> tuple:
+    """The meta of CUDA tensor ``t`` sent as its IPC ``export`` (see ``_cuda``)."""
+    return (_DTYPE_CODES[t.dtype], tuple(t.shape), t.nbytes, export, device)
+
+
+def meta_dtype(meta: tuple) -> torch.dtype:
+    return _DTYPES[meta[0]]
 
 
 def allocate_tensor(meta: tuple, pool: ReceiveBufferPool | None = None) -> torch.Tensor:
@@ -467,6 +476,8 @@ def allocate_tensor(meta: tuple, pool: ReceiveBufferPool | None = None) -> torch
         if len(shape) == 1:
             return flat
         return flat.view(*shape) if shape else flat.view(())  # view(*shape): half the cost
+    if meta[4] != "cpu":  # copied to its GPU from here: pinned, so the copy is asynchronous
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
     if pool is not None and nbytes >= pool.min_bytes:
         return torch.from_numpy(pool.take(nbytes)).view(dtype).view(shape)
     return torch.empty(shape, dtype=dtype)

@@ -128,6 +128,13 @@ def init_rpc(
     _server_profiler.forget_open_ranges()
     context = _rref_context.init_context(my_rank)
     limits = _wire.FrameLimits(options.max_message_bytes, _wire.local_devices())
+    # Ranks that send CUDA tensors (a device map) or receive them (named in one).
+    cuda_ranks = frozenset(
+        rank
+        for src, (_, _, maps, _) in enumerate(everyone)
+        if maps
+        for rank in (src, *(rank_of[dst_name] for dst_name in maps))
+    )
     agent = Agent(
         comm,
         infos,
@@ -136,6 +143,7 @@ def init_rpc(
         options.num_worker_threads,
         on_arrival=lambda src, frame: context.add_arrival_forks(frame.forks),
         limits=limits,
+        cuda_ranks=cuda_ranks,
     )
     for src, (_, _, maps, _) in enumerate(everyone):
         for dst_name, mapping in maps.items():
@@ -426,8 +434,10 @@ def _get_debug_info() -> dict[str, Any]:
     """This worker's RRef, agent and distributed autograd figures, as torch's.
 
     ``peers`` maps each worker's name to the messages and bytes sent to and
-    received from it, and ``writes_directly``: whether big tensors to it are
-    written straight into its memory (same node, permitted); ``handler_queue_depth``
+    received from it, ``writes_directly``: whether big tensors to it are
+    written straight into its memory (same node, permitted), and ``cuda_ipc``: whether
+    CUDA tensors to it travel over CUDA IPC (same node, both use device maps, probe
+    passed) rather than staged through host memory; ``handler_queue_depth``
     counts requests waiting for a worker thread.
 
     Example::
