@@ -17,6 +17,7 @@ ORDER = [
     "scaling",
     "param_server",
     "smart",
+    "cuda_rpc",
 ]
 README = RESULTS.parents[1] / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -28,7 +29,7 @@ def load() -> tuple[list[dict], list[dict]]:
     docs = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
     rows, cpus = [], usual_cpus(docs)
     for d in docs:
-        mpi = column(d["env"], cpus)
+        mpi = column(d["env"], cpus, d.get("gpu"))
         rows += [r | {"figure": d["name"], "mpi": mpi, "i": i} for i, r in enumerate(d["rows"])]
     rows.sort(key=lambda r: (ORDER.index(r["figure"]) if r["figure"] in ORDER else 99, r["i"]))
     return docs, rows
@@ -38,12 +39,13 @@ def usual_cpus(docs: list[dict]) -> int:
     return Counter(d["env"]["cpus"] for d in docs).most_common(1)[0][0]
 
 
-def column(env: dict, cpus: int) -> str:
+def column(env: dict, cpus: int, gpu: str | None = None) -> str:
     """The table column of a result's ``env``: its MPI, and its nodes and CPUs where they
-    differ from the usual (one node, ``cpus``)."""
+    differ from the usual (one node, ``cpus``), and its GPU (cuda_rpc.py's) if any."""
     mpi = mpi_name(env["mpi_library"])
     mpi += f", {env['nodes']} nodes" if env["nodes"] > 1 else ""
-    return mpi + (f", {env['cpus']} CPUs" if env["cpus"] != cpus else "")
+    mpi += f", {env['cpus']} CPUs" if env["cpus"] != cpus else ""
+    return mpi + (f", {gpu}" if gpu else "")
 
 
 def label(r: dict) -> str:
@@ -52,12 +54,13 @@ def label(r: dict) -> str:
 
 def machine(docs: list[dict]) -> str:
     cpus = usual_cpus(docs)
-    envs = [d["env"] for d in docs if d["env"]["cpus"] == cpus]
+    usual = [d for d in docs if d["env"]["cpus"] == cpus and not d.get("gpu")]
+    envs = [d["env"] for d in usual or docs]
     mpis = " and ".join(sorted({mpi_name(e["mpi_library"]) for e in envs}))
     quick = " (--quick runs)" if any(d["env"]["quick"] for d in docs) else ""
     e = envs[0]
     text = f"{e['host']}, {cpus} CPUs, torch {e['torch']}, {mpis}, {e['date'][:10]}{quick}"
-    others = {column(d["env"], cpus): d["env"] for d in docs if d["env"]["cpus"] != cpus}
+    others = {column(d["env"], cpus, d.get("gpu")): d["env"] for d in docs if d not in usual}
     return text + "".join(f"; {c}: torch {o['torch']}" for c, o in others.items())
 
 
@@ -69,6 +72,7 @@ def markdown(rows: list[dict], docs: list[dict], image: str) -> str:
         if r["target"] or r["anchor_name"] == "TensorPipe":
             verdict = {None: "", True: " met", False: " missed"}[r["ok"]]
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3g}{verdict}"
+            ratio += " (wrong result)" if r.get("correct") is False else ""
             key = (f"{r['figure']}: {r['metric']}", r["anchor_name"], r["target"] or "")
             cells.setdefault(key, {})[r["mpi"]] = ratio
     lines = [
