@@ -253,6 +253,17 @@ def test_node_post_hooks_lists_a_nodes_hooks_in_order_and_leaves_them_as_they_we
     assert calls == ["second", "third", "second", "third"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="its CUDA behaviour is in test_cuda.py")
+def test_cuda_ipc_sharing_takes_a_storage_and_refuses_without_a_gpu():
+    """The export takes one storage and the import torch's 8 export fields (as
+    ``tests/test_cuda.py`` runs them on a GPU); here both refuse with a RuntimeError, which
+    ``init_rpc``'s probe and the receiver catch."""
+    with pytest.raises(RuntimeError):
+        _compat.share_cuda_storage(torch.UntypedStorage(4))
+    with pytest.raises(RuntimeError):
+        _compat.open_cuda_storage(0, b"h" * 64, 4, 0, b"/torch_0_0", 0, b"e" * 64, False)
+
+
 def test_module_children_is_the_live_registry():
     seq = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.ReLU())
     children = _compat.module_children(seq)

@@ -55,10 +55,11 @@ def ipc_peers(comm: MPI.Comm, cuda_ranks: frozenset[int]) -> frozenset[int]:
     try:
         probe = export = None
         if wanted and torch.cuda.is_available():
-            probe = torch.full((1,), me, dtype=torch.int64, device=torch.cuda.current_device())
+            # Any failure here must still reach both collectives below: peers wait there.
             try:
+                probe = torch.full((1,), me, dtype=torch.int64, device=torch.cuda.current_device())
                 export = (IPC, share_cuda_storage(probe.untyped_storage()), 0)
-            except RuntimeError:  # IPC not permitted here
+            except RuntimeError:  # no usable GPU, or IPC not permitted here
                 export = None
         exports = node.allgather((me, export))
         readable = set()
