@@ -1,8 +1,10 @@
 """CUDA tensors over RPC, distributed autograd, RemoteModule and the Lightning strategy on a GPU.
 
 Skipped where torch sees no GPU. Every rank uses ``cuda:0``: with one GPU the ranks share it,
-which exercises the same paths as one GPU per rank. Results are compared with plain local
-autograd (or a single-process Lightning run) on the same values.
+which exercises the same paths as one GPU per rank. Tests with device maps run twice: CUDA
+tensors over CUDA IPC, and staged through host memory (IPC forced off), as between nodes.
+Results are compared with plain local autograd (or a single-process Lightning run), or with
+what was sent, on the same values.
 """
 
 from __future__ import annotations
