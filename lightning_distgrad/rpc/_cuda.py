@@ -120,13 +120,9 @@ class Exporter:
         self._lock = threading.Lock()
 
     def export(self, t: torch.Tensor) -> tuple:
-        """``(IPC, torch's export, storage offset)`` of ``t``'s bytes, ready for the work
-        queued so far on ``t``'s device's current stream (the export's event)."""
-        t = t.detach()
-        if t.is_conj() or t.is_neg():
-            t = t.resolve_conj().resolve_neg()
-        if not t.is_contiguous():
-            t = t.contiguous()
+        """``(IPC, torch's export, storage offset)`` of contiguous ``t`` (no lazy conjugate
+        or negative bit, see ``_wire.plain_contiguous``), ready for the work queued so far
+        on ``t``'s device's current stream (the export's event)."""
         storage = t.untyped_storage()
         with self._lock:
             again = storage in self._exported

@@ -60,7 +60,7 @@ class _Incoming:
         self.sizes = sizes  # bytes expected by each MPI receive
         self.push = push  # PushReceive of the pushed tensors, or None
         self.deadline = deadline
-        self.uploads = uploads  # whether host bytes are to be copied to a GPU once here
+        self.uploads = uploads  # indices of tensors whose host bytes go to a GPU once here
         self.copies = copies  # GPU copies queued (``_cuda.Copy``)
 
 
@@ -172,7 +172,7 @@ class Receiver:
         pulled = []  # views MPI fills, in the order their sender posted them
         pushed = []
         copies = []
-        uploads = False
+        uploads = []
         try:
             for meta in frame.metas:
                 if type(meta[3]) is tuple:  # a CUDA IPC export
@@ -180,7 +180,8 @@ class Receiver:
                     tensors.append(t)
                     copies.append(copy)
                     continue
-                uploads |= meta[4] != "cpu"
+                if meta[4] != "cpu":
+                    uploads.append(len(tensors))
                 t = allocate_tensor(meta, self._buffers)
                 tensors.append(t)
                 if meta[3] is None:  # not inline: the bytes follow on ``data``
@@ -264,11 +265,10 @@ class Receiver:
             item.requests, item.sizes, item.push = [], [], None  # checked: not again
         if item.uploads:
             copies = self._device_copies()
-            for i, meta in enumerate(item.frame.metas):
-                if meta[4] != "cpu" and type(meta[3]) is not tuple:
-                    item.tensors[i], copy = copies.upload(item.tensors[i], meta[4])
-                    item.copies.append(copy)
-            item.uploads = False
+            for i in item.uploads:
+                item.tensors[i], copy = copies.upload(item.tensors[i], item.frame.metas[i][4])
+                item.copies.append(copy)
+            item.uploads = []
         if item.copies:
             if not finished(item.copies):
                 return None  # a GPU copy ends by itself: no deadline

@@ -18,7 +18,15 @@ from mpi4py import MPI
 from ._cuda import Exporter, ipc_peers
 from ._profiling import active_log
 from ._push import PushSend, push_tags, should_push, writable_peers
-from ._wire import PUSHED, Frame, chunks, exported_meta, prepare_tensor, tensor_bytes_view
+from ._wire import (
+    PUSHED,
+    Frame,
+    chunks,
+    exported_meta,
+    plain_contiguous,
+    prepare_tensor,
+    tensor_bytes_view,
+)
 
 
 class Sender:
@@ -67,7 +75,8 @@ class Sender:
         for i, t in enumerate(tensors):
             device = devices[i] if devices else "cpu"
             if ipc and device != "cpu" and t.is_cuda and t.numel():
-                metas.append(exported_meta(t, self._exporter.export(t), device))
+                export = self._exporter.export(plain_contiguous(t.detach()))
+                metas.append(exported_meta(t, export, device))
                 continue
             meta, data = prepare_tensor(t, device)
             if data is not None:

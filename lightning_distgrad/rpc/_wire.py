@@ -430,6 +430,18 @@ def tensor_bytes_view(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+def plain_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in contiguous memory with no lazy conjugate or negative bit (``t``
+    itself when it is so already): the bytes that travel.
+
+    Lazy conjugate/negative views (``z.conj()``) keep the un-negated bytes in memory: their
+    raw bytes would be wrong (and ``view`` to uint8 raises for big ones).
+    """
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def prepare_tensor(
     t: torch.Tensor, device: str = "cpu", inline_limit: int = INLINE_LIMIT
 ) -> tuple[tuple, Any]:
@@ -440,13 +452,7 @@ def prepare_tensor(
     """
     if not t.is_cpu:  # staged through host memory
         t = _cuda.to_pinned_host(t) if t.nbytes > inline_limit else t.cpu()
-    # Lazy conjugate/negative views (``z.conj()``) keep the un-negated bytes in
-    # memory: materialise them, or the raw bytes would be wrong (and ``view``
-    # to uint8 raises for big ones). No-op copies for ordinary tensors.
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
+    t = plain_contiguous(t)
     nbytes = t.nbytes
     if nbytes <= inline_limit:
         # A bytearray unpickles as a fresh writable buffer: the receiver wraps it
