@@ -114,7 +114,7 @@ class Stack:
         self.kind, self.comm, self.rank, self.size = kind, comm, comm.Get_rank(), comm.Get_size()
 
     def __enter__(self) -> "Stack":
-        kwargs = {}
+        url = None
         if self.kind == "ours":
             import lightning_distgrad.autograd as autograd
             import lightning_distgrad.rpc as rpc
@@ -126,13 +126,19 @@ class Stack:
                 s.bind(("127.0.0.1", 0))
                 port = self.comm.bcast(s.getsockname()[1] if self.rank == 0 else None, root=0)
             url = f"tcp://127.0.0.1:{port}"
-            kwargs["rpc_backend_options"] = rpc.TensorPipeRpcBackendOptions(init_method=url)
+        options = self.options(rpc, url)
+        kwargs = {} if options is None else {"rpc_backend_options": options}
         self.rpc, self.autograd = rpc, autograd
         sleep_barrier(self.comm)
         t0 = time.perf_counter()
         rpc.init_rpc(f"worker{self.rank}", rank=self.rank, world_size=self.size, **kwargs)
         self.init_s = time.perf_counter() - t0
         return self
+
+    def options(self, rpc, url: str | None):
+        """The backend options to start with (None: ours's defaults); ``url`` is
+        TensorPipe's rendezvous, None for ours."""
+        return None if url is None else rpc.TensorPipeRpcBackendOptions(init_method=url)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:  # the other ranks would wait for this one forever

@@ -41,7 +41,6 @@ from _harness import (
     row,
     run,
     sample,
-    sleep_barrier,
     write,
 )
 from design_note import check, inputs, iteration
@@ -87,31 +86,14 @@ class DeviceStack(Stack):
         super().__init__(kind, comm)
         self.device = device
 
-    def __enter__(self) -> "DeviceStack":
-        if self.kind == "ours":
-            import lightning_distgrad.autograd as autograd
-            import lightning_distgrad.rpc as rpc
-
+    def options(self, rpc, url: str | None):
+        if url is None:
             options = rpc.MPIRpcBackendOptions(rpc_timeout=RPC_TIMEOUT_S)
         else:
-            import torch.distributed.autograd as autograd
-            import torch.distributed.rpc as rpc
-
-            with socket.socket() as s:  # TensorPipe's rendezvous: a free port of rank 0's
-                s.bind(("127.0.0.1", 0))
-                port = self.comm.bcast(s.getsockname()[1] if self.rank == 0 else None, root=0)
-            url = f"tcp://127.0.0.1:{port}"
             options = rpc.TensorPipeRpcBackendOptions(init_method=url, rpc_timeout=RPC_TIMEOUT_S)
         if self.device.type == "cuda":
             options.set_device_map(f"worker{1 - self.rank}", {0: 0})
-        self.rpc, self.autograd = rpc, autograd
-        sleep_barrier(self.comm)
-        t0 = time.perf_counter()
-        rpc.init_rpc(
-            f"worker{self.rank}", rank=self.rank, world_size=2, rpc_backend_options=options
-        )
-        self.init_s = time.perf_counter() - t0
-        return self
+        return options
 
 
 def time_echo(s: DeviceStack, nbytes: int, reps: int) -> dict:
