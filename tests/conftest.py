@@ -53,7 +53,7 @@ def polite_barrier(comm) -> None:
     MPICH spins inside blocking calls; with more ranks than cores (4 ranks on
     2 cores here) a spinning barrier steals the CPU the slower ranks need.
     """
-    from lightning_distgrad._mpi_wait import wait_all
+    from lightning_distgrad._backoff import wait_all
 
     wait_all(comm.Ibarrier())
 
@@ -131,7 +131,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if report.failed and item.get_closest_marker("mpi") is not None and _testing_mpi(item.config):
         from mpi4py import MPI
 
-        from lightning_distgrad.rpc._abort import abort_mpi_job
+        from lightning_distgrad.rpc._transport import abort_mpi_job
 
         world = MPI.COMM_WORLD
         if world.Get_size() > 1:
@@ -214,13 +214,13 @@ def rpc_world(rpc_session):
 def rpc_stopped(rpc_session):
     """No RPC agent during the test; the shared one is started again afterwards."""
     from lightning_distgrad import rpc
-    from lightning_distgrad.rpc import _core
+    from lightning_distgrad.rpc._calls import dispatch
 
     rpc_session.barrier()
     rpc_session.stop()
     yield rpc_session
     rpc_session.barrier()
-    if _core.current_agent() is not None:  # the test left its own agent running
+    if dispatch.current_agent() is not None:  # the test left its own agent running
         rpc.shutdown()
     rpc_session.start()
     rpc_session.barrier()

@@ -28,7 +28,7 @@ import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
 from lightning_distgrad.nn import RemoteModule
 from lightning_distgrad.optim import DistributedOptimizer
-from lightning_distgrad.rpc._cuda import IPC_ENV
+from lightning_distgrad.rpc._transport.cuda import IPC_ENV
 
 pytestmark = [
     pytest.mark.mpi(min_size=2),

@@ -20,7 +20,7 @@ from lightning_distgrad import autograd as dist_autograd
 from lightning_distgrad import rpc
 from lightning_distgrad.nn import RemoteModule
 from lightning_distgrad.optim import DistributedOptimizer
-from lightning_distgrad.rpc import _core
+from lightning_distgrad.rpc._calls import dispatch
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -314,14 +314,14 @@ def test_params_rref_values_must_be_tensors(rpc_world, monkeypatch):
     ]
     params = [w, not_tensors[0], not_tensors[1]]
     # One RPC per remote owner: the check rides on the optimizer's construction.
-    sent, invoke, me = [], _core.invoke, threading.get_ident()
+    sent, invoke, me = [], dispatch.invoke, threading.get_ident()
 
     def counting_invoke(to, func, *args, **kwargs):
         if threading.get_ident() == me:  # not the requests this rank serves meanwhile
             sent.append(func.__name__)
         return invoke(to, func, *args, **kwargs)
 
-    monkeypatch.setattr(_core, "invoke", counting_invoke)
+    monkeypatch.setattr(dispatch, "invoke", counting_invoke)
     with pytest.raises(TypeError) as info:
         DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
     assert sent == ["_new_local_optimizer"]

@@ -468,16 +468,16 @@ def test_bf16_mixed_trains_with_autocast_on_the_server(rpc_world):
 
 @pytest.mark.mpi(min_size=2)
 def test_strategy_starts_rpc_itself_when_none_runs(rpc_stopped):
-    from lightning_distgrad.rpc import _core
+    from lightning_distgrad.rpc._calls import dispatch
 
-    assert _core.current_agent() is None
+    assert dispatch.current_agent() is None
     trainer = make_trainer(max_epochs=1)
     model = pipeline_model()
     trainer.fit(model, loader(pipeline_data(steps_per_epoch=1)))
-    agent = _core.current_agent()
+    agent = dispatch.current_agent()
     assert agent is not None and agent.info.name == f"worker{world()[0]}"
     trainer.validate(model, loader(pipeline_data(steps_per_epoch=1)))
-    assert _core.current_agent() is agent
+    assert dispatch.current_agent() is agent
 
 
 # --- Bad input ---------------------------------------------------------------------------------

@@ -17,7 +17,9 @@ from _job_runner import LAUNCHER, mpi_job
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import profiler, rpc
 from lightning_distgrad.autograd import _engine
-from lightning_distgrad.rpc import _profiling, _remote_events
+from lightning_distgrad.rpc._calls import remote_events as remote_events_module
+from lightning_distgrad.rpc._calls import spans
+from lightning_distgrad.rpc._transport import message_log
 
 REPO = Path(__file__).resolve().parents[1]
 REMOTE_OP = "#remote_op: "  # torch's separator (torch.testing's RPC profiling tests)
@@ -109,7 +111,7 @@ def test_the_callees_events_come_back_as_torchs_remote_events(rpc_world):
     # key_averages lists remote time as torch's RPC profiling does.
     averages = {e.key: e for e in prof.key_averages()}
     assert averages[f"{add_key}{REMOTE_OP}aten::add"].node_id == peer_rank
-    assert not _remote_events._expected  # every call's events arrived
+    assert not remote_events_module._expected  # every call's events arrived
 
 
 @pytest.mark.mpi(min_size=2)
@@ -152,19 +154,19 @@ def test_torch_profiler_records_no_rpc_outside_record_rpcs_as_in_torch(rpc_world
         with torch.profiler.profile() as prof:  # the outer scope still open
             rpc.rpc_sync(peer, torch.add, (x, 1))
     assert [e.name for e in prof.events() if e.name.startswith("rpc_sync#")]
-    assert not _profiling.recording_rpcs()
+    assert not spans.recording_rpcs()
 
 
 @pytest.mark.mpi(min_size=2)
 def test_only_calls_made_under_a_profiler_ask_their_callee_to_record(rpc_world):
-    log = _profiling.MessageLog()  # notes the kind of every frame this rank sends
+    log = message_log.MessageLog()  # notes the kind of every frame this rank sends
 
     def requests_sent() -> set[str]:
         kinds = {e[2] for e in log.entries if e[0] == "send" and e[2].endswith("REQUEST")}
         del log.entries[:]
         return kinds
 
-    _profiling.set_log(log)
+    message_log.set_log(log)
     try:
         rpc.rpc_sync(rpc_world.peer(), torch.add, (torch.ones(2), 1))
         rpc.rpc_sync(rpc_world.peer(), double, (torch.ones(2),))
@@ -173,7 +175,7 @@ def test_only_calls_made_under_a_profiler_ask_their_callee_to_record(rpc_world):
             rpc.rpc_sync(rpc_world.peer(), torch.add, (torch.ones(2), 1))
         profiled = requests_sent()
     finally:
-        _profiling.set_log(None)
+        message_log.set_log(None)
     assert unprofiled == {"QUICK_REQUEST", "REQUEST"}
     assert profiled == {"PROFILED_REQUEST"}
 
@@ -192,13 +194,15 @@ def test_remote_events_are_placed_inside_the_call_and_malformed_ones_dropped():
     bad_memory = (("aten::add", 0.0, 40.0, 7, 5, [], "16"),)
     calls = ((1, good), (2, bad_time), (3, list(good)), (4, bad_memory))
     for call_id, events in calls:
-        _remote_events._expected[(5, call_id)] = (sink, key, 1_000)
-        _remote_events._on_remote_events(5, _remote_events.RemoteEvents(call_id, 40.0, events), [])
+        remote_events_module._expected[(5, call_id)] = (sink, key, 1_000)
+        remote_events_module._on_remote_events(
+            5, remote_events_module.RemoteEvents(call_id, 40.0, events), []
+        )
     assert [(args[0], args[1], args[4]) for args in sink.calls] == [(key, 1_000, good)]
-    assert not [where for where in _remote_events._expected if where[0] == 5]
+    assert not [where for where in remote_events_module._expected if where[0] == 5]
     # A call seen from 1 us to 101 us whose callee took 40 us: the callee's run is
     # placed in the middle, the request and the response taking 30 us each.
-    placed = list(_remote_events._placed(good, key, 1_000, 101_000, 40.0, 0))
+    placed = list(remote_events_module._placed(good, key, 1_000, 101_000, 40.0, 0))
     assert placed == [(f"{key}{REMOTE_OP}aten::add", 31.0, 71.0, 7, 5, [[2], [2]], 16)]
 
 

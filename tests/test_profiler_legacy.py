@@ -20,7 +20,7 @@ from torch.autograd.profiler_legacy import profile as legacy_profile
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import profiler, rpc
 from lightning_distgrad._compat import CFuture
-from lightning_distgrad.rpc import _remote_events, _server_profiler
+from lightning_distgrad.rpc._calls import remote_events, server_profiler
 
 REMOTE_OP = "#remote_op: "
 #: What ``ops`` runs, as a profiler names it (torch's EXPECTED_REMOTE_EVENTS, in short).
@@ -86,7 +86,7 @@ def test_the_legacy_profiler_lists_the_callees_events_with_their_node(rpc_world,
     prof.export_chrome_trace(str(path))
     names = {event["name"] for event in json.loads(path.read_text())}
     assert {key, f"{key}{REMOTE_OP}aten::mul"} <= names
-    assert not _remote_events._expected
+    assert not remote_events._expected
 
 
 @pytest.mark.mpi(min_size=2)
@@ -205,7 +205,7 @@ def test_the_server_side_profile_records_every_request_its_worker_serves(rpc_wor
     averages = {e.key: e.count for e in outer.rpc_sync().key_averages()}
     assert averages["aten::add"] == averages["aten::sub"] == 1
     rpc_world.barrier()  # every rank's peer has closed its ranges
-    assert not _server_profiler.ranges
+    assert not server_profiler.ranges
     with pytest.raises(RuntimeError, match="no server-side profiling range is open"):
         rpc._disable_server_process_global_profiler()
 
@@ -218,10 +218,10 @@ def test_a_range_left_open_ends_with_its_rpc_session(rpc_stopped):
     left_open.rpc_sync().__enter__()  # never exited, as after a failed test
     rpc_stopped.barrier()
     rpc.shutdown()
-    assert len(_server_profiler.ranges) == 1
+    assert len(server_profiler.ranges) == 1
     rpc.init_rpc()
     # The next session serves its requests unprofiled, and its ranges start afresh.
-    assert not _server_profiler.ranges
+    assert not server_profiler.ranges
     rpc_stopped.barrier()  # before any rank opens a range on its peer in this session
     profile = rpc.remote(peer, rpc._server_process_global_profile)
     profile.rpc_sync().__enter__()

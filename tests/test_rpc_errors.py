@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from lightning_distgrad import rpc
-from lightning_distgrad.rpc import WorkerInfo, _core
-from lightning_distgrad.rpc._wire import Kind
+from lightning_distgrad.rpc import WorkerInfo
+from lightning_distgrad.rpc._calls import dispatch
+from lightning_distgrad.rpc._transport import Kind
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -461,7 +462,7 @@ def test_timeout_error_names_the_timeout_and_the_destination(rpc_world):
 def test_answered_calls_stop_being_watched_while_calls_keep_coming(rpc_world):
     # One call stays pending throughout, as in any busy job: the deadlines of the
     # answered ones must still be dropped (they once piled up for a whole timeout).
-    agent = _core.current_agent()
+    agent = dispatch.current_agent()
     slow = rpc.rpc_async(rpc_world.peer(), sleep_then_return, (1.0, 9))
     for _ in range(1000):
         rpc.rpc_sync(rpc_world.peer(), torch.add, (torch.ones(1), 1))

@@ -22,13 +22,13 @@ from _dist_utils import wait_until
 from mpi4py import MPI
 
 from lightning_distgrad import rpc
-from lightning_distgrad._mpi_wait import wait_all
-from lightning_distgrad.rpc import _core, _wire
-from lightning_distgrad.rpc._wire import Kind
+from lightning_distgrad._backoff import wait_all
+from lightning_distgrad.rpc._calls import dispatch
+from lightning_distgrad.rpc._transport import Kind, tensor_bytes
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-FLOAT32 = _wire._DTYPE_CODES[torch.float32]
+FLOAT32 = tensor_bytes.DTYPE_CODES[torch.float32]
 TIB = 1 << 40
 
 
@@ -70,7 +70,7 @@ BAD_METAS = {
 
 def call_with_metas(world, metas, timeout=30):
     """``rpc_sync(torch.add)`` whose frame carries ``metas`` instead of its own table."""
-    transport = _core.require_agent().transport
+    transport = dispatch.require_agent().transport
     original = transport.send
 
     def corrupt(dst, frame, tensors, devices=None):
@@ -97,7 +97,7 @@ def test_unreadable_frames_are_dropped_with_a_log_line_naming_the_sender(rpc_wor
     world = rpc_world
     world.barrier()  # every rank captures logs before anything is sent
     if world.rank == 0:
-        _core.require_agent().transport.send_raw(1, UNANSWERABLE[case])
+        dispatch.require_agent().transport.send_raw(1, UNANSWERABLE[case])
     if world.rank == 1:
         assert wait_until(lambda: "malformed frame from rank 0" in caplog.text), caplog.text
     world.barrier()
@@ -117,10 +117,10 @@ def test_bytes_that_never_arrive_are_abandoned_and_the_poller_naps(rpc_world, mo
     """A frame declares a tensor whose bytes never follow: the receiver waits until the
     transfer deadline, napping (not spinning), then abandons it and answers the call."""
     world = rpc_world
-    transport = _core.require_agent().transport
+    transport = dispatch.require_agent().transport
     monkeypatch.setattr(transport._receiver, "transfer_timeout", 4.0)
     world.barrier()
-    n = _wire.INLINE_LIMIT  # above the inline limit: its bytes would follow on ``data``
+    n = tensor_bytes.INLINE_LIMIT  # above the inline limit: its bytes would follow on ``data``
     future = call_with_metas(world, ((FLOAT32, (n,), 4 * n, None, "cpu"),))
     # The receiver's CPU time while the transfer hangs (after the hot window).
     time.sleep(1.5)
@@ -137,9 +137,9 @@ def test_bytes_that_never_arrive_are_abandoned_and_the_poller_naps(rpc_world, mo
 
 
 def test_tensor_bytes_of_the_wrong_size_fail_the_call(rpc_world):
-    n = _wire.INLINE_LIMIT
+    n = tensor_bytes.INLINE_LIMIT
     meta = (FLOAT32, (n,), 4 * n, None, "cpu")
-    transport = _core.require_agent().transport
+    transport = dispatch.require_agent().transport
     original = transport.send
     for sent in (4 * n - 8, 4 * n + 8):
 
@@ -161,7 +161,7 @@ def test_tensor_bytes_of_the_wrong_size_fail_the_call(rpc_world):
 def test_a_malformed_response_fails_its_call(rpc_world):
     """A response whose tensor table is bad fails the caller's call at once."""
     world = rpc_world
-    agent = _core.require_agent()
+    agent = dispatch.require_agent()
     call_id = 10**8 + world.rank
     future = torch.futures.Future()
     agent._pending[call_id] = _agent_pending(future, world)
@@ -173,7 +173,7 @@ def test_a_malformed_response_fails_its_call(rpc_world):
 
 
 def _agent_pending(future, world):
-    from lightning_distgrad.rpc._calls import Pending
+    from lightning_distgrad.rpc._calls.pending import Pending
 
     return Pending(future, rpc.get_worker_info(world.name), False, None, 0)
 
@@ -234,7 +234,7 @@ def test_a_thousand_fuzzed_frames_leave_the_agent_serving(rpc_world, monkeypatch
     """Seeded fuzz through the real send path; then normal calls work both ways, and
     graceful shutdown still drains."""
     world = rpc_world
-    transport = _core.require_agent().transport
+    transport = dispatch.require_agent().transport
     monkeypatch.setattr(transport._receiver, "transfer_timeout", 1.0)
     world.barrier()
     if world.rank == 0:
@@ -290,7 +290,7 @@ def test_graceful_shutdown_ends_after_frames_no_agent_sent(rpc_stopped, monkeypa
     returns on every rank."""
     world = rpc_stopped
     rpc.init_rpc()
-    agent = _core.require_agent()
+    agent = dispatch.require_agent()
     monkeypatch.setattr(agent.transport._receiver, "transfer_timeout", 1.0)
     send_past_the_agent(agent.transport.ctrl, seed=world.rank, count=300)
     world.barrier()

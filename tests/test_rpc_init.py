@@ -124,9 +124,9 @@ def test_calls_after_shutdown_say_rpc_was_shut_down(rpc_stopped):
 
 
 def test_calls_before_the_first_init_rpc_do_not_say_shut_down(rpc_stopped, monkeypatch):
-    from lightning_distgrad.rpc import _core
+    from lightning_distgrad.rpc._calls import dispatch
 
-    monkeypatch.setattr(_core, "_shut_down", False)  # as in a fresh process
+    monkeypatch.setattr(dispatch, "_shut_down", False)  # as in a fresh process
     with pytest.raises(RuntimeError, match=NOT_INITIALIZED) as info:
         rpc.rpc_sync("worker0", torch.add, (torch.ones(1), 1))
     assert "shut down" not in str(info.value)
@@ -215,10 +215,10 @@ def test_world_size_that_disagrees_with_mpi_fails_init_everywhere(rpc_stopped):
 def test_a_rank_with_another_torch_fails_init_everywhere(rpc_stopped, monkeypatch):
     # Frames carry dtypes as indices into torch's dtype list: a rank whose list
     # differs would read float32 tensors as something else.
-    from lightning_distgrad.rpc import _wire
+    from lightning_distgrad.rpc import _lifecycle
 
     if rpc_stopped.rank == 1:
-        monkeypatch.setattr(_wire, "DTYPE_TABLE", _wire.DTYPE_TABLE + ("torch.float128",))
+        monkeypatch.setattr(_lifecycle, "DTYPE_TABLE", _lifecycle.DTYPE_TABLE + ("torch.float128",))
     message = init_error()
     assert "rank 1 ('worker1'): its torch" in message
     assert "install the same torch version on every rank" in message

@@ -102,7 +102,7 @@ def test_options_accept_zero_and_positive_rpc_timeouts():
 
 
 def test_check_timeout_says_what_is_allowed():
-    from lightning_distgrad.rpc._core import check_timeout
+    from lightning_distgrad.rpc._calls.dispatch import check_timeout
 
     assert check_timeout(rpc.UNSET_RPC_TIMEOUT) == rpc.UNSET_RPC_TIMEOUT
     assert check_timeout(0) == 0.0 and check_timeout(3) == 3.0
@@ -121,7 +121,7 @@ def test_check_timeout_says_what_is_allowed():
 
 
 def test_timeout_error_keeps_torch_text_and_shows_sub_millisecond_timeouts():
-    from lightning_distgrad.rpc._errors import timeout_error
+    from lightning_distgrad.rpc._calls.errors import timeout_error
 
     dst = WorkerInfo("worker1", 1)
     assert str(timeout_error(1e-6, dst)) == (

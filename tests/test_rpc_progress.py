@@ -12,11 +12,10 @@ import pytest
 from _dist_utils import wait_until
 from mpi4py import MPI
 
-from lightning_distgrad.rpc import _doorbell
-from lightning_distgrad.rpc._calls import Waiter
-from lightning_distgrad.rpc._doorbell import Backoff, Doorbell, LocalBell
-from lightning_distgrad.rpc._transport import Transport
-from lightning_distgrad.rpc._wire import Frame, FrameLimits, Kind, local_devices
+from lightning_distgrad.rpc._calls.waiting import Waiter
+from lightning_distgrad.rpc._transport import Frame, FrameLimits, Kind, Transport, local_devices
+from lightning_distgrad.rpc._transport import doorbell as _doorbell
+from lightning_distgrad.rpc._transport.doorbell import ArmedBackoff, Doorbell, LocalBell
 
 BODY = Frame(Kind.RREF_FORK, -1, None, (), ("body",))
 
@@ -222,7 +221,7 @@ def test_a_quiet_spell_arms_the_bell_once_and_polls_once_more_before_the_first_n
         events.append("poll")
         return found
 
-    backoff = Backoff(Bell(), lambda: poll(False), 0.004)
+    backoff = ArmedBackoff(Bell(), lambda: poll(False), 0.004)
     for _ in range(3):
         assert backoff.sleep(0.0, float("inf")) is False
     backoff.reset()  # traffic came
@@ -230,7 +229,7 @@ def test_a_quiet_spell_arms_the_bell_once_and_polls_once_more_before_the_first_n
     assert events == ["arm", "poll", "nap", "nap", "nap", "disarm"]
     # A frame posted before the arming showed: found by that poll, no nap.
     events.clear()
-    backoff = Backoff(Bell(), lambda: poll(True), 0.004)
+    backoff = ArmedBackoff(Bell(), lambda: poll(True), 0.004)
     assert backoff.sleep(0.0, float("inf")) is True
     assert events == ["arm", "poll"]
 

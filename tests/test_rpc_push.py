@@ -16,13 +16,14 @@ from _dist_utils import wait_until
 from mpi4py import MPI
 
 from lightning_distgrad import rpc
-from lightning_distgrad.rpc import _core, _push, _wire
-from lightning_distgrad.rpc._wire import PUSHED, FrameLimits, Kind
+from lightning_distgrad.rpc._calls import dispatch
+from lightning_distgrad.rpc._transport import FrameLimits, Kind, direct_writes, tensor_bytes
+from lightning_distgrad.rpc._transport.tensor_bytes import PUSHED
 
 mpi = pytest.mark.mpi(min_size=2)
 
-FLOAT32 = _wire._DTYPE_CODES[torch.float32]
-N = _push.PUSH_MIN_BYTES // 4  # float32 elements of the smallest pushed tensor
+FLOAT32 = tensor_bytes.DTYPE_CODES[torch.float32]
+N = direct_writes.PUSH_MIN_BYTES // 4  # float32 elements of the smallest pushed tensor
 
 
 def echo(obj):
@@ -35,7 +36,7 @@ def make(n: int, seed: float) -> torch.Tensor:
 
 @pytest.fixture
 def transport(rpc_world):
-    transport = _core.require_agent().transport
+    transport = dispatch.require_agent().transport
     writes = rpc_world.peer_rank() in transport._sender.push_pids
     can = rpc_world.comm.allreduce(writes, op=MPI.LAND)
     if not can:
@@ -47,25 +48,25 @@ def transport(rpc_world):
 def writes(monkeypatch):
     """Byte counts of the pushes this rank wrote during the test."""
     written = []
-    original = _push.PushSend.write
+    original = direct_writes.PushSend.write
 
     def write(self):
         written.append(sum(s.nbytes for s in self.sources))
         return original(self)
 
-    monkeypatch.setattr(_push.PushSend, "write", write)
+    monkeypatch.setattr(direct_writes.PushSend, "write", write)
     return written
 
 
 def test_which_tensors_are_pushed(monkeypatch):
     mib = 1 << 20
-    assert not _push.should_push(mib - 1, False)  # small: pulled
-    assert _push.should_push(mib, False) and _push.should_push(64 * mib, False)
-    assert not _push.should_push(4 * mib, True)  # a receive buffer: pulled
+    assert not direct_writes.should_push(mib - 1, False)  # small: pulled
+    assert direct_writes.should_push(mib, False) and direct_writes.should_push(64 * mib, False)
+    assert not direct_writes.should_push(4 * mib, True)  # a receive buffer: pulled
     # Where torch puts its tensors on huge pages, big ones are pulled too.
-    monkeypatch.setattr(_push, "TORCH_HUGE_PAGES", True)
-    assert _push.should_push(_push.PULL_MIN_BYTES - 1, False)
-    assert not _push.should_push(_push.PULL_MIN_BYTES, False)
+    monkeypatch.setattr(direct_writes, "TORCH_HUGE_PAGES", True)
+    assert direct_writes.should_push(direct_writes.PULL_MIN_BYTES - 1, False)
+    assert not direct_writes.should_push(direct_writes.PULL_MIN_BYTES, False)
 
 
 @mpi
@@ -89,9 +90,9 @@ def test_big_tensors_are_pushed_and_arrive_exactly(rpc_world, transport, writes)
 
 @mpi
 def test_pushing_is_off_with_its_variable_at_zero(rpc_world, transport, monkeypatch):
-    assert set(_push.writable_peers(rpc_world.comm)) == set(transport._sender.push_pids)
-    monkeypatch.setenv(_push.PUSH_ENV, "0")
-    assert _push.writable_peers(rpc_world.comm) == {}
+    assert set(direct_writes.writable_peers(rpc_world.comm)) == set(transport._sender.push_pids)
+    monkeypatch.setenv(direct_writes.PUSH_ENV, "0")
+    assert direct_writes.writable_peers(rpc_world.comm) == {}
 
 
 @mpi
@@ -138,7 +139,7 @@ def _pushed_request(transport, world, nbytes: int) -> tuple[rpc.Future, tuple[in
             transport._sender.post(dst, frame.dumps((meta,)), [], "raw", [])
             tag = (transport._sender.next_seq[dst] - 1) % transport._tag_mod
         transport._bell.ring(dst)
-        tags.append(_push.push_tags(tag, transport._tag_mod))
+        tags.append(direct_writes.push_tags(tag, transport._tag_mod))
 
     transport.send = hostile
     try:
@@ -172,13 +173,13 @@ def test_bytes_written_by_hand_arrive(rpc_world, transport):
     peer = rpc_world.peer_rank()
     future, (cts, done) = _pushed_request(transport, rpc_world, 4 * N)
     header = _clear_to_send(transport, peer, cts)
-    assert header[0] == _push.CLEAR
+    assert header[0] == direct_writes.CLEAR
     values = make(N, 3.0)
-    outcome = _push.write_remote(
-        transport._sender.push_pids[peer], _wire.tensor_bytes_view(values), int(header[1])
+    outcome = direct_writes.write_remote(
+        transport._sender.push_pids[peer], tensor_bytes.tensor_bytes_view(values), int(header[1])
     )
     assert outcome == 0
-    _done(transport, peer, done, _push.WRITTEN)
+    _done(transport, peer, done, direct_writes.WRITTEN)
     assert torch.equal(future.wait(), values)
 
 
@@ -211,11 +212,11 @@ def test_a_push_never_written_is_abandoned_and_its_buffer_kept_until_done(
     rpc_world.barrier()  # both looked before either sends its DONE
     # The late write still lands in live memory; DONE then frees it.
     values = make(N, 5.0)
-    outcome = _push.write_remote(
-        transport._sender.push_pids[peer], _wire.tensor_bytes_view(values), int(header[1])
+    outcome = direct_writes.write_remote(
+        transport._sender.push_pids[peer], tensor_bytes.tensor_bytes_view(values), int(header[1])
     )
     assert outcome == 0
-    _done(transport, peer, done, _push.WRITTEN)
+    _done(transport, peer, done, direct_writes.WRITTEN)
     assert wait_until(lambda: not receiver.promised and not receiver.incoming)
     rpc_world.barrier()
 

@@ -9,22 +9,21 @@ import pytest
 import torch
 
 from lightning_distgrad._compat import coo_parts
-from lightning_distgrad.rpc import _sparse, _wire
-from lightning_distgrad.rpc._wire import (
+from lightning_distgrad.rpc._calls.payload import decode_payload, encode_payload
+from lightning_distgrad.rpc._transport import (
     Frame,
     FrameLimits,
     Kind,
     MalformedFrame,
-    allocate_tensor,
-    decode_frame,
-    decode_payload,
-    encode_payload,
-    prepare_tensor,
+    sparse,
+    tensor_bytes,
 )
+from lightning_distgrad.rpc._transport.frames import decode_frame
+from lightning_distgrad.rpc._transport.tensor_bytes import allocate_tensor, describe_host_tensor
 
 LIMITS = FrameLimits(1 << 30, frozenset({"cpu"}))
-INT64 = _wire._DTYPE_CODES[torch.int64]
-FLOAT32 = _wire._DTYPE_CODES[torch.float32]
+INT64 = tensor_bytes.DTYPE_CODES[torch.int64]
+FLOAT32 = tensor_bytes.DTYPE_CODES[torch.float32]
 
 
 def _coo(coalesce: bool = False) -> torch.Tensor:
@@ -56,10 +55,10 @@ def _samples() -> dict[str, torch.Tensor]:
 def _through_the_wire(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """What the transport does to ``tensors``, minus MPI: components, metas, frame bytes,
     decoding and validation, buffers, rebuilding."""
-    flat, _, entries = _sparse.flatten(tensors, None)
+    flat, _, entries = sparse.flatten(tensors, None)
     metas, buffers = [], []
     for t in flat:
-        meta, data = prepare_tensor(t, inline_limit=0 if len(buffers) % 2 else 1 << 20)
+        meta, data = describe_host_tensor(t, inline_limit=0 if len(buffers) % 2 else 1 << 20)
         metas.append(meta)
         buffers.append(data)
     raw = Frame(Kind.REQUEST, 1, b"", (), None, (), entries).dumps(tuple(metas))
@@ -72,7 +71,7 @@ def _through_the_wire(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         received.append(t)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return _sparse.unflatten(received, frame.sparse)
+        return sparse.unflatten(received, frame.sparse)
 
 
 @pytest.mark.parametrize("name", sorted(_samples()))
@@ -99,20 +98,20 @@ def test_coo_parts_are_the_stored_indices_and_values_of_an_uncoalesced_tensor():
 
 
 def test_dense_only_messages_have_an_empty_sparse_table():
-    flat, devices, entries = _sparse.flatten([torch.ones(2), torch.zeros(1)], ["cpu", "cpu"])
+    flat, devices, entries = sparse.flatten([torch.ones(2), torch.zeros(1)], ["cpu", "cpu"])
     assert entries == () and len(flat) == 2 and devices == ["cpu", "cpu"]
 
 
 def test_a_sparse_tensors_components_land_on_its_device():
-    flat, devices, entries = _sparse.flatten([torch.ones(1), _coo()], ["cuda:1", "cuda:0"])
+    flat, devices, entries = sparse.flatten([torch.ones(1), _coo()], ["cuda:1", "cuda:0"])
     assert devices == ["cuda:1", "cuda:0", "cuda:0"] and len(flat) == 3
     assert entries == ((1, "coo", (3, 4), False),)
 
 
 def test_wire_bytes_of_a_sparse_tensor_are_those_of_its_components():
     t = _coo()
-    assert _sparse.tensor_nbytes(t) == t._indices().nbytes + t._values().nbytes
-    assert _sparse.tensor_nbytes(torch.ones(3)) == 12
+    assert sparse.tensor_nbytes(t) == t._indices().nbytes + t._values().nbytes
+    assert sparse.tensor_nbytes(torch.ones(3)) == 12
 
 
 def test_payload_pickling_puts_sparse_tensors_in_the_tensor_table():
@@ -177,8 +176,8 @@ def test_indices_of_the_wrong_dtype_or_shape_are_refused():
 def test_an_index_out_of_range_fails_the_rebuild_instead_of_faulting_later():
     indices = torch.tensor([[0, 7], [1, 1]])
     with pytest.raises(RuntimeError, match="size is inconsistent with indices"):
-        _sparse.unflatten([indices, torch.ones(2)], ((0, "coo", (3, 4), False),))
+        sparse.unflatten([indices, torch.ones(2)], ((0, "coo", (3, 4), False),))
     with pytest.raises(RuntimeError, match="coalesced"):  # a false claim is caught too
-        _sparse.unflatten(
+        sparse.unflatten(
             [torch.tensor([[1, 0], [0, 0]]), torch.ones(2)], ((0, "coo", (3, 4), True),)
         )

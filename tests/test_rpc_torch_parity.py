@@ -16,7 +16,7 @@ from mpi4py import MPI
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
 from lightning_distgrad.rpc import WorkerInfo
-from lightning_distgrad.rpc._wire import decode_payload, encode_payload
+from lightning_distgrad.rpc._calls.payload import decode_payload, encode_payload
 
 EXPECTED = "Expected error"
 

@@ -17,13 +17,13 @@ import torch
 from _dist_utils import wait_until
 
 from lightning_distgrad import rpc
-from lightning_distgrad.rpc import _buffers, _core, _one_way, _push, _wire
-from lightning_distgrad.rpc._wire import Kind
+from lightning_distgrad.rpc._calls import dispatch, one_way
+from lightning_distgrad.rpc._transport import Kind, direct_writes, receive_buffers, tensor_bytes
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
 #: Element counts: empty, one, just under and over the inline limit, 1 MiB+.
-SMALL, BIG = 7, _wire.INLINE_LIMIT + 1
+SMALL, BIG = 7, tensor_bytes.INLINE_LIMIT + 1
 
 DTYPES = [
     torch.float32,
@@ -286,12 +286,13 @@ def test_64mib_tensor_round_trips_exactly(rpc_world):
 def test_tensors_beyond_one_mpi_message_or_one_write_arrive_exactly(rpc_world, monkeypatch):
     """Tensors of several GiB go as several MPI messages, or several writes when pushed:
     both limits shrunk here so that a few MiB take every path."""
-    monkeypatch.setattr(_wire, "CHUNK_BYTES", 100_003)
-    monkeypatch.setattr(_push, "_MAX_WRITE", 300_007)
+    monkeypatch.setattr(tensor_bytes, "CHUNK_BYTES", 100_003)
+    monkeypatch.setattr(direct_writes, "_MAX_WRITE", 300_007)
     rpc_world.barrier()  # both sides chunk alike before either sends
     g = torch.Generator().manual_seed(rpc_world.rank)
-    pushed = torch.randint(0, 256, (3 * _push.PUSH_MIN_BYTES + 5,), dtype=torch.uint8, generator=g)
-    by_mpi = torch.randint(0, 256, (_push.PUSH_MIN_BYTES - 3,), dtype=torch.uint8, generator=g)
+    smallest_push = direct_writes.PUSH_MIN_BYTES
+    pushed = torch.randint(0, 256, (3 * smallest_push + 5,), dtype=torch.uint8, generator=g)
+    by_mpi = torch.randint(0, 256, (smallest_push - 3,), dtype=torch.uint8, generator=g)
     back = rpc.rpc_sync(rpc_world.peer(), echo, ([pushed, by_mpi],))
     assert torch.equal(back[0], pushed) and torch.equal(back[1], by_mpi)
     rpc_world.barrier()  # the peer's call is over before either restores the limits
@@ -299,7 +300,7 @@ def test_tensors_beyond_one_mpi_message_or_one_write_arrive_exactly(rpc_world, m
 
 def test_received_big_tensors_kept_alive_are_never_overwritten(rpc_world):
     """Receive buffers are pooled: one is reused only once no tensor (or view) uses it."""
-    n = (_buffers.POOL_MIN_BYTES // 4) * 2
+    n = (receive_buffers.POOL_MIN_BYTES // 4) * 2
     kept = [rpc.rpc_sync(rpc_world.peer(), make_tensor, (n, float(i))) for i in range(3)]
     view = rpc.rpc_sync(rpc_world.peer(), make_tensor, (n, 7.0))[: n // 2]  # base dropped
     for _ in range(3):  # reuses freed buffers of the same size
@@ -434,7 +435,7 @@ def test_sender_holding_a_lock_that_a_completion_callback_needs_does_not_deadloc
         with lock:
             # Slow enough that the callback is registered before the response arrives
             # (a done future would run it here, on the lock's holder).
-            fut = _core.invoke(
+            fut = dispatch.invoke(
                 rpc_world.peer(), slow_tag_value, (0, 0), None, 0, user_visible=False
             )
             fut.add_done_callback(callback)
@@ -478,10 +479,10 @@ def test_served_one_way_messages_run_on_the_peer_and_errors_stay_there(
     world = rpc_world
     _notified.clear()
     monkeypatch.setitem(
-        _one_way.HANDLERS, Kind.CONTEXT_RELEASE, _one_way.OneWay(Note, record_note, True, None)
+        one_way.HANDLERS, Kind.CONTEXT_RELEASE, one_way.OneWay(Note, record_note, True, None)
     )
     world.barrier()
-    agent = _core.require_agent()
+    agent = dispatch.require_agent()
     big = make_tensor(BIG, seed=world.rank)
     agent.send_one_way(world.peer_rank(), Kind.CONTEXT_RELEASE, Note(-1))
     for i in range(3):

@@ -11,20 +11,17 @@ import time
 import pytest
 import torch
 
-from lightning_distgrad.rpc import _wire
-from lightning_distgrad.rpc._buffers import ReceiveBufferPool
-from lightning_distgrad.rpc._wire import (
-    allocate_tensor,
-    decode_payload,
-    encode_payload,
-    prepare_tensor,
-)
+from lightning_distgrad.rpc._calls import payload as payload_module
+from lightning_distgrad.rpc._calls.payload import decode_payload, encode_payload
+from lightning_distgrad.rpc._transport import frames, tensor_bytes
+from lightning_distgrad.rpc._transport.receive_buffers import ReceiveBufferPool
+from lightning_distgrad.rpc._transport.tensor_bytes import allocate_tensor, describe_host_tensor
 
 MIB = 1 << 20
 
 
 def _received(pool: ReceiveBufferPool, n: int) -> torch.Tensor:
-    meta, _ = prepare_tensor(torch.zeros(n // 4))
+    meta, _ = describe_host_tensor(torch.zeros(n // 4))
     return allocate_tensor(meta, pool)
 
 
@@ -38,7 +35,7 @@ def test_inline_tensors_round_trip_through_pickle_as_writable_tensors():
         torch.ones(3, dtype=torch.complex64),
         torch.arange(4, dtype=torch.int8).view(1, 2, 2),
     ):
-        meta, buffer = prepare_tensor(t)
+        meta, buffer = describe_host_tensor(t)
         assert buffer is None
         back = allocate_tensor(pickle.loads(pickle.dumps(meta, 5)))
         assert torch.equal(back, t)
@@ -148,9 +145,10 @@ def test_operators_travel_as_cached_references_and_bound_methods_with_their_obje
     payload, tensors, _ = encode_payload((torch.add, math.sqrt, items.append), 0)
     op, sqrt, append = decode_payload(payload, tensors)
     assert op is torch.add and sqrt is math.sqrt
-    assert torch.add in _wire._function_bytes and math.sqrt in _wire._function_bytes
+    cached = payload_module._function_bytes
+    assert torch.add in cached and math.sqrt in cached
     # A method bound to an object is pickled with that object's state each time.
-    assert items.append not in _wire._function_bytes
+    assert items.append not in cached
     append(3)
     assert append.__self__ == [1, 2, 3] and items == [1, 2]
 
@@ -158,16 +156,16 @@ def test_operators_travel_as_cached_references_and_bound_methods_with_their_obje
 # A CUDA IPC export as torch writes it: (device, memory handle, size, offset, counter
 # handle, counter offset, event handle, event recorded), then the tensor's storage offset.
 _SHARE = (0, b"h" * 64, 4096, 0, b"/torch_1_2", 3, b"e" * 64, True)
-_GPU_LIMITS = _wire.FrameLimits(1 << 30, frozenset({"cpu", "cuda", "cuda:0"}))
+_GPU_LIMITS = frames.FrameLimits(1 << 30, frozenset({"cpu", "cuda", "cuda:0"}))
 
 
 def _ipc_frame(inline, device: str = "cuda:0") -> bytes:
-    meta = (_wire._DTYPE_CODES[torch.float32], (3,), 12, inline, device)
-    return _wire.Frame(_wire.Kind.REQUEST, 1, b"", (meta,)).dumps()
+    meta = (tensor_bytes.DTYPE_CODES[torch.float32], (3,), 12, inline, device)
+    return frames.Frame(frames.Kind.REQUEST, 1, b"", (meta,)).dumps()
 
 
 def test_a_well_formed_cuda_ipc_export_decodes():
-    frame = _wire.decode_frame(_ipc_frame(("cuda-ipc", _SHARE, 0)), _GPU_LIMITS)
+    frame = frames.decode_frame(_ipc_frame(("cuda-ipc", _SHARE, 0)), _GPU_LIMITS)
     assert frame.metas[0][3] == ("cuda-ipc", _SHARE, 0)
 
 
@@ -183,5 +181,5 @@ def test_a_well_formed_cuda_ipc_export_decodes():
     ],
 )
 def test_a_malformed_cuda_ipc_export_is_refused_saying_why(inline, device, says):
-    with pytest.raises(_wire.MalformedFrame, match=re.escape(says)):
-        _wire.decode_frame(_ipc_frame(inline, device), _GPU_LIMITS)
+    with pytest.raises(frames.MalformedFrame, match=re.escape(says)):
+        frames.decode_frame(_ipc_frame(inline, device), _GPU_LIMITS)

@@ -69,10 +69,10 @@ def alive(tag) -> int:
 
 def owner_table() -> dict:
     """The owner's table (for failure messages): rref id -> fork ids."""
-    from lightning_distgrad.rpc import _rref_context
+    from lightning_distgrad.rpc._rrefs import bookkeeping
 
     gc.collect()
-    return {k: sorted(e.forks) for k, e in list(_rref_context.current_context().owners.items())}
+    return {k: sorted(e.forks) for k, e in list(bookkeeping.current_context().owners.items())}
 
 
 def owner_rref_count() -> int:
@@ -245,9 +245,9 @@ class _SlowLink:
 @contextlib.contextmanager
 def slow_link_to(to: str, delay: float = 0.3):
     """Delay this rank's frames to worker ``to`` (see :class:`_SlowLink`)."""
-    from lightning_distgrad.rpc import _core
+    from lightning_distgrad.rpc._calls import dispatch
 
-    with _SlowLink(_core.require_agent().transport, rpc.get_worker_info(to).id, delay):
+    with _SlowLink(dispatch.require_agent().transport, rpc.get_worker_info(to).id, delay):
         yield
 
 

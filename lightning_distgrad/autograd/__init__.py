@@ -16,10 +16,8 @@ from typing import Any
 
 import torch
 
-from ..rpc import _core, _hooks
-from ..rpc._one_way import register_one_way
-from ..rpc._profiling import run_recorded
-from ..rpc._wire import Kind
+from ..rpc import _internal
+from ..rpc._internal import Kind, register_one_way, run_recorded
 from . import _engine, _messages
 from ._context import DistAutogradContext, check_context_id
 from ._engine import container
@@ -148,7 +146,7 @@ def _release_context(context_id: int) -> None:
 
 def _release_on_known_workers(ctx: DistAutogradContext | None, done: int | None = None) -> None:
     """Tell the workers ``ctx`` reached (but ``done``, which released it) to release it."""
-    agent = _core.current_agent()
+    agent = _internal.current_agent()
     if ctx is None or agent is None:
         return
     for worker in ctx._known_worker_ids() - {container().worker_id, done}:
@@ -207,7 +205,7 @@ def _get_debug_info() -> dict[str, int]:
 # Recording, called by the RPC layer for every message
 
 
-class _AutogradHooks(_hooks.AutogradHooks):
+class _AutogradHooks(_internal.AutogradHooks):
     def on_init(self, worker_id: int) -> None:
         _engine.init_container(worker_id)
 
@@ -304,7 +302,7 @@ def _on_context_release(source: int, body: ContextRelease, tensors: list) -> Non
     _release_on_known_workers(container().release(body.context_id, must_exist=False), done=source)
 
 
-_hooks.install(_AutogradHooks())
+_internal.install_autograd_hooks(_AutogradHooks())
 register_one_way(Kind.CONTEXT_RELEASE, ContextRelease, _on_context_release)
 register_one_way(Kind.CREDIT, _messages.CreditReturn, _engine.on_credit)
 register_one_way(

@@ -50,10 +50,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from ..rpc import _core
-from ..rpc._profiling import run_recorded
-from ..rpc._sparse import tensor_nbytes
-from ..rpc._wire import Kind
+from ..rpc import _internal
+from ..rpc._internal import Kind, run_recorded, tensor_nbytes
 from ._context import ContextContainer, DistAutogradContext, check_context_id
 from ._credit import (  # noqa: F401  (re-exported)
     ALL_CREDIT,
@@ -152,7 +150,7 @@ def backward(
     # The pass's gradient messages to this worker run on this thread, even those that
     # come back before it waits: they are the work it waits for.
     try:
-        with _core.require_agent().waiting_for(p.pass_id):
+        with _internal.require_agent().waiting.waiting_for(p.pass_id):
             ones = [torch.ones_like(r) for r in roots]
             deliver_and_ship(p, ALL_CREDIT, p.deliver_roots, edges, ones)
             _wait_for_credit(p)
@@ -167,19 +165,19 @@ def backward(
             stuck = {w for w, pending in latest.items() if pending} | involved
             stuck.discard(cont.worker_id)
             for fut in [
-                _core.invoke(
+                _internal.invoke(
                     w,
                     _end_pass_here,
                     (context_id, p.pass_id),
                     None,
-                    _core.UNSET_RPC_TIMEOUT,
+                    _internal.UNSET_RPC_TIMEOUT,
                     user_visible=False,
                     force_autograd=False,
                 )
                 for w in sorted(stuck)
             ]:
                 try:
-                    _core.wait(fut)
+                    _internal.wait(fut)
                 except Exception:  # that worker's part ends with its context anyway
                     pass
             if p.error is not None:
@@ -191,10 +189,10 @@ def backward(
 
 def _wait_for_credit(p: Pass) -> None:
     """Wait (polling MPI) until all credit is back or the RPC timeout passes."""
-    agent = _core.require_agent()
+    agent = _internal.require_agent()
     # This pass's gradient messages to the root run on this thread (their waiter key
     # is the pass id): they are what it waits for.
-    if not agent.wait_done(p.finished, agent.timeout, key=p.pass_id):
+    if not agent.waiting.wait(p.finished, agent.timeout, key=p.pass_id):
         p.expire(agent.timeout)
 
 
@@ -286,7 +284,7 @@ def _check_all_sends_used(context_id: int, latest: dict[int, list]) -> None:
 
 def _message_span(name: str, src: int, dst: int, tensors: list) -> tuple[str, dict]:
     """The span of one gradient message: its route in the name, its size in the args."""
-    infos = _core.require_agent().infos
+    infos = _internal.require_agent().infos
     route = f"{infos[src].name} -> {infos[dst].name}"
     size = {"bytes": sum(tensor_nbytes(t) for t in tensors), "gradients": len(tensors)}
     return f"{name}({route})", size
@@ -347,7 +345,7 @@ class Outbox:
         self, messages: list[tuple[int, list]], credit: Credit, report: tuple | None
     ) -> tuple[Credit, bool]:
         """Send ``messages`` with equal shares of ``credit``; (credit kept, report sent)."""
-        root, agent = self.p.pass_id[0], _core.require_agent()
+        root, agent = self.p.pass_id[0], _internal.require_agent()
         reported = report is not None and any(peer == root for peer, _ in messages)
         share, kept = split_credit(credit, len(messages) + (0 if reported else 1))
         if not reported:
@@ -376,7 +374,7 @@ def _return_credit(
         apply_credit(context_id, pass_id, credit, report, error)
     else:
         text = None if error is None else _error_text(error)
-        _core.require_agent().send_one_way(
+        _internal.require_agent().send_one_way(
             root, Kind.CREDIT, CreditReturn(context_id, pass_id, credit, report, text)
         )
 

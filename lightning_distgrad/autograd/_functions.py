@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .._compat import DelayedError
-from ..rpc._hooks import with_grad
+from ..rpc._internal import with_grad
 
 _SEND_MESSAGE = (
     "The send function of an RPC ran in a local backward pass; run the backward "

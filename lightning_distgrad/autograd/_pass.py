@@ -35,8 +35,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from .._compat import engine_run_backward, node_post_hooks, num_node_inputs, tensor_hooks
-from ..rpc._errors import timeout_error
-from ..rpc._profiling import run_recorded
+from ..rpc._internal import run_recorded, timeout_error
 from ._context import DistAutogradContext, sum_grads
 from ._credit import NO_CREDIT, Credit, add_credit, is_all_credit
 from ._graph import Graph, is_leaf_node

@@ -20,7 +20,7 @@ send waits.
 
 from __future__ import annotations
 
-from ..rpc import _core
+from ..rpc import _internal
 from . import _engine
 from ._credit import ALL_CREDIT, split_credit
 from ._pass import Pass
@@ -73,17 +73,17 @@ def _probe(
                 states[me] = (p.report(me)[2], set(p.waiting_recvs()))
             else:
                 involved.add(worker)
-                futures[worker] = _core.invoke(
+                futures[worker] = _internal.invoke(
                     worker,
                     probe_here,
                     (context_id, p.pass_id, p.retain_graph),
                     None,
-                    _core.UNSET_RPC_TIMEOUT,
+                    _internal.UNSET_RPC_TIMEOUT,
                     user_visible=False,
                     force_autograd=False,
                 )
         for worker, fut in futures.items():
-            pending, recvs = _core.wait(fut)
+            pending, recvs = _internal.wait(fut)
             states[worker] = (pending, set(recvs))
         ask = {
             peer
@@ -113,7 +113,7 @@ def _resolve(p: Pass, dead: dict[int, list[int]], me: int) -> None:
     """Deliver an all-absent gradient to every dead send, one message per worker."""
     share, kept = split_credit(ALL_CREDIT, len(dead))
     p.return_credit(kept, None, None)
-    agent = _core.require_agent()
+    agent = _internal.require_agent()
     for worker, msg_ids in sorted(dead.items()):
         items = [(msg_id, None) for msg_id in msg_ids]
         if worker == me:

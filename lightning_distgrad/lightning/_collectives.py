@@ -3,7 +3,7 @@
 The communicator holds the trainer ranks only: serving ranks never join Lightning's collectives.
 It is private to the strategy (a ``Split`` of the world, never the RPC agent's duplicates), so its
 traffic cannot match anyone else's. Every wait polls a non-blocking request and naps between
-polls (``lightning_distgrad._mpi_wait``): a rank never spins while it waits.
+polls (``lightning_distgrad._backoff``): a rank never spins while it waits.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._mpi_wait import wait_all
+from .._backoff import wait_all
 
 __all__ = ["AllGather", "TrainerCollectives", "reduce_op_name"]
 

@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from .. import rpc
 from .._compat import quiet_lightning_pytree
-from ..rpc import _core
+from ..rpc import _internal
 from ._collectives import AllGather, TrainerCollectives, reduce_op_name
 from ._requeue import SlurmRequeue
 from ._roles import RoleLauncher, Roles, check_devices, resolve_roles
@@ -238,7 +238,7 @@ class MPIRolesStrategy(ParallelStrategy):
         A collective over the world (trainers and servers) the first time; later calls return
         at once. The agent stops when the process exits (or at ``rpc.shutdown()``).
         """
-        agent = _core.current_agent()
+        agent = _internal.current_agent()
         roles = self.roles
         if agent is not None:
             if len(agent.infos) != roles.world_size or agent.info.id != roles.rank:

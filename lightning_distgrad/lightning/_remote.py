@@ -4,7 +4,7 @@ Each handler is a small module-level function run on the owner: the gradient nor
 gradient scaling of gradient clipping (on the gradients that distributed autograd accumulated in
 a context there), hyper-parameter updates of the owner's local optimizers (LR schedulers), the
 end-of-stage reports that release a serving rank's serve loop, and the hand-over of a
-``RemoteModule`` shared by all trainers. Callers fan out with ``rpc._core.call_all``.
+``RemoteModule`` shared by all trainers. Callers fan out with ``rpc._internal.call_all``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from .. import autograd as dist_autograd
 from .. import rpc
-from ..rpc._core import call_all
+from ..rpc._internal import call_all
 
 __all__ = ["StageReport", "stage_board"]
 

@@ -35,9 +35,9 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from .._backoff import nap_until
 from .._compat import hpc_save_path, register_atexit
-from .._mpi_wait import nap_until
-from ..rpc._core import call_all
+from ..rpc._internal import call_all
 
 __all__ = ["RequeueCheckpoint", "RequeueExit", "SlurmRequeue", "requeue_job", "slurm_job_id"]
 

@@ -21,7 +21,7 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from typing_extensions import override
 
 from .._compat import Launcher
-from ..rpc._core import call_all
+from ..rpc._internal import call_all
 from . import _requeue
 from ._remote import StageReport, report_stage, stage_board
 from ._requeue import RequeueExit

@@ -23,7 +23,7 @@ from torch import Tensor
 from .. import autograd as dist_autograd
 from ..nn import RemoteModule, ReplicatedModule
 from ..optim import DistributedOptimizer
-from ..rpc._core import call_all
+from ..rpc._internal import call_all
 from . import _remote
 from ._collectives import TrainerCollectives
 from ._model import hyperparameters, same_hyperparameters

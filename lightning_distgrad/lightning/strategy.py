@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from .._compat import after_closure, optimizers_to_device
 from ..nn import RemoteModule, ReplicatedModule
-from ..rpc._profiling import record_rpcs
+from ..rpc._internal import record_rpcs
 from . import _remote, _requeue
 from ._checkpoint import (
     REMOTE_OPTIMIZER_STATES,

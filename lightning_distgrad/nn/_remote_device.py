@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rpc import _core
+from ..rpc import _internal
 
 _PARSE_ERROR = (
     "Could not parse remote_device: {}. The valid format is '<workername>/<device>' "
@@ -49,11 +49,11 @@ def _is_device(text: str) -> bool:
 
 def resolve_worker(on: str | int | None, remote_device: str) -> tuple[str | int, str]:
     """``(on, worker name)``; a bare device means this worker. ValueError if unknown."""
-    agent = _core.require_agent()
+    agent = _internal.require_agent()
     if on is None:
         return agent.info.name, agent.info.name
     try:
-        info = _core.resolve(agent, on)
+        info = _internal.resolve(agent, on)
     except RuntimeError as e:
         known = ", ".join(f"{w.name} (rank {w.id})" for w in agent.infos)
         raise ValueError(
@@ -65,7 +65,7 @@ def resolve_worker(on: str | int | None, remote_device: str) -> tuple[str | int,
 
 def has_device_map(worker_name: str) -> bool:
     """Whether this worker maps devices for tensors it sends to ``worker_name``."""
-    agent = _core.require_agent()
+    agent = _internal.require_agent()
     maps = getattr(agent, "device_maps", None)
     if isinstance(maps, dict):  # {worker name: map}
         return bool(maps.get(worker_name))

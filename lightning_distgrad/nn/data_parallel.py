@@ -37,7 +37,7 @@ from torch import nn
 
 from .. import autograd as dist_autograd
 from .. import rpc
-from .._mpi_wait import wait_all
+from .._backoff import wait_all
 
 __all__ = ["ReplicatedModule"]
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .. import rpc
-from ..rpc._wire import current_pickling_context
+from ..rpc._internal import current_pickling_context
 from ._remote_device import has_device_map, parse_remote_device, resolve_worker
 
 __all__ = ["RemoteModule"]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .. import autograd as dist_autograd
-from ..rpc._core import call_all
+from ..rpc._internal import call_all
 from ..rpc.rref import RRef
 
 __all__ = ["DistributedOptimizer"]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from ..rpc._profiling import record_rpcs
+from ..rpc._internal import record_rpcs
 from ._plot import plot_timeline
 from ._session import Recording
 

@@ -20,8 +20,8 @@ from lightning.pytorch.profilers import PyTorchProfiler
 from mpi4py import MPI
 
 from .. import rpc
-from ..rpc import _core
-from ..rpc._profiling import profiler_enabled
+from ..rpc import _internal
+from ..rpc._internal import profiler_enabled
 from ._session import Recording
 
 __all__ = ["TimelineCallback"]
@@ -113,7 +113,7 @@ class TimelineCallback(pl.Callback):
             self._recording = None
 
     def _start(self, trainer: pl.Trainer) -> None:
-        agent = _core.require_agent()
+        agent = _internal.require_agent()
         servers = trainer.strategy.server_ranks
         root = min(r for r in range(len(agent.infos)) if r not in servers)  # trainer 0
         # Sent before this rank's own start: the serving ranks must join its collectives.
@@ -141,7 +141,7 @@ class TimelineCallback(pl.Callback):
 def _record_on_server(root: int) -> None:
     """On a serving rank (an RPC from trainer 0): record this rank's part of the timeline
     on a thread of its own, from the trainers' start to their stop."""
-    comm = _core.require_agent().comm
+    comm = _internal.require_agent().comm
     threading.Thread(
         target=_serve_recording, args=(comm, root), name="distgrad-timeline", daemon=True
     ).start()

@@ -12,15 +12,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import time
 
 import torch
 from mpi4py import MPI
 
+from .._backoff import Backoff, nap_until
 from .._compat import quiet_first_profiler_cycle, quiet_kineto_without_gpu
-from ..rpc import _core
-from ..rpc._profiling import MessageLog, active_log, set_log
-from ..rpc._remote_events import collect_remote_events
+from ..rpc import _internal
+from ..rpc._internal import MessageLog, active_log, collect_remote_events, set_log
 from ._timeline import clock_offsets, merge_traces
 
 #: How often a rank waiting for the others checks whether they arrived (it sleeps
@@ -29,10 +28,8 @@ POLL_S = 0.0005
 
 
 def wait_for_everyone(comm: MPI.Comm, poll_s: float = POLL_S) -> None:
-    """A barrier that sleeps instead of spinning."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(poll_s)
+    """A barrier that naps (at most ``poll_s`` at a time) instead of spinning."""
+    nap_until(comm.Ibarrier().Test, backoff=Backoff(poll_s))
 
 
 class Recording:
@@ -119,7 +116,7 @@ class Recording:
 
 
 def _worker_names(size: int) -> list[str]:
-    agent = _core.current_agent()
+    agent = _internal.current_agent()
     if agent is not None and len(agent.infos) == size:
         return [info.name for info in agent.infos]
     return [f"worker{r}" for r in range(size)]

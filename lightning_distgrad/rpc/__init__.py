@@ -5,14 +5,15 @@ Port a program by replacing ``import torch.distributed.rpc as rpc`` with
 ``mpiexec -n N python -m mpi4py program.py``.
 """
 
-from . import _futures, constants, functions
-from ._agent import WorkerInfo
-from ._core import UNSET_RPC_TIMEOUT
-from ._server_profiler import (
+from . import constants, functions
+from ._calls import futures as _futures
+from ._calls.dispatch import UNSET_RPC_TIMEOUT
+from ._calls.server_profiler import (
     _disable_server_process_global_profiler,
     _enable_server_process_global_profiler,
     _server_process_global_profile,
 )
+from ._calls.worker_info import WorkerInfo
 from .api import (
     _get_current_rpc_agent,
     _get_debug_info,

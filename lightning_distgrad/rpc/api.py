@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from mpi4py import MPI
 
-from .._compat import register_atexit, set_profiler_node_id, torch_rpc_thread_local
-from . import _core, _hooks, _rendezvous, _rref_context, _server_profiler, _shutdown, _wire
-from . import rref as _rref
-from ._abort import abort_mpi_job, end_job_on_sigterm
-from ._agent import Agent, WorkerInfo
-from ._core import UNSET_RPC_TIMEOUT
-from ._remote_events import watch_profilers
-from ._worker_info import name_problem
+from .._compat import torch_rpc_thread_local
+from . import _lifecycle
+from ._calls import autograd_hooks, dispatch
+from ._calls.agent import Agent
+from ._calls.dispatch import UNSET_RPC_TIMEOUT
+from ._calls.worker_info import WorkerInfo
+from ._rrefs import bookkeeping
 from .options import BackendType, MPIRpcBackendOptions, RpcBackendOptions
 from .rref import RRef
 
@@ -33,8 +30,6 @@ __all__ = [
     "WorkerInfo",
     "RRef",
 ]
-
-_exit_hook_installed = False
 
 
 def init_rpc(
@@ -76,82 +71,14 @@ def init_rpc(
         tensor([2., 2.])
         >>> rpc.shutdown()
     """
-    if _core.current_agent() is not None:
+    if dispatch.current_agent() is not None:
         raise RuntimeError("RPC is already initialized")
     if backend is not None and not isinstance(backend, BackendType):
         raise TypeError("Argument backend must be a member of BackendType")
     options = rpc_backend_options if rpc_backend_options is not None else MPIRpcBackendOptions()
     if not isinstance(options, MPIRpcBackendOptions):
         raise TypeError(_options_type_problem(options, backend))
-    comm = options.comm if options.comm is not None else MPI.COMM_WORLD
-    job_size = comm.Get_size()
-    alone = world_size == 1 and job_size > 1
-    if alone:  # RPC in this process only: no other rank takes part
-        comm = MPI.COMM_SELF
-    my_rank, size = comm.Get_rank(), comm.Get_size()
-    name = f"worker{my_rank}" if name is None else name
-    problems = []
-    if (p := name_problem(name)) is not None:
-        problems.append(p)
-    if rank not in (-1, None) and rank != my_rank:
-        problems.append(
-            f"rank={rank} was passed with world_size=1, whose only rank is 0"
-            if alone
-            else f"rank={rank} was passed but MPI says this process is rank {my_rank}"
-        )
-    if world_size is not None and world_size != size:
-        problems.append(
-            f"world_size={world_size} was passed but the MPI job has {size} ranks "
-            "(world_size must be the MPI size, or 1 for RPC within this process alone)"
-        )
-    everyone = _rendezvous.exchange(
-        comm,
-        (name, problems, options.device_maps, (torch.__version__, _wire.DTYPE_TABLE)),
-        options.rpc_timeout,
-    )
-    first_torch = everyone[0][3]
-    _raise_init_problems(
-        [(n, ps + _torch_problems(torch_build, first_torch)) for n, ps, _, torch_build in everyone]
-    )
-    infos = [WorkerInfo(n, r) for r, (n, _, _, _) in enumerate(everyone)]
-    rank_of = {info.name: info.id for info in infos}
-    # Checked before the agent exists: raising later left a running agent behind.
-    for src, (_, _, maps, _) in enumerate(everyone):
-        for dst_name in maps:
-            if dst_name not in rank_of:
-                raise ValueError(f"rank {src} set a device map for unknown worker {dst_name!r}")
-    _hooks.get().on_init(my_rank)
-    # Events of torch profilers carry this worker's id, as under torch's agent, and calls
-    # made under a legacy profiler list their remote events in it.
-    set_profiler_node_id(my_rank)
-    watch_profilers()
-    _server_profiler.forget_open_ranges()
-    context = _rref_context.init_context(my_rank)
-    limits = _wire.FrameLimits(options.max_message_bytes, _wire.local_devices())
-    # Ranks that send CUDA tensors (a device map) or receive them (named in one).
-    cuda_ranks = frozenset(
-        rank
-        for src, (_, _, maps, _) in enumerate(everyone)
-        if maps
-        for rank in (src, *(rank_of[dst_name] for dst_name in maps))
-    )
-    agent = Agent(
-        comm,
-        infos,
-        my_rank,
-        options.rpc_timeout,
-        options.num_worker_threads,
-        on_arrival=lambda src, frame: context.add_arrival_forks(frame.forks),
-        limits=limits,
-        cuda_ranks=cuda_ranks,
-    )
-    for src, (_, _, maps, _) in enumerate(everyone):
-        for dst_name, mapping in maps.items():
-            agent.device_maps[src][rank_of[dst_name]] = mapping
-    # Current first, then receiving: requests from faster peers may arrive at once.
-    _core.set_agent(agent)
-    agent.start()
-    _install_exit_hooks(job_size)
+    _lifecycle.start(name, rank, world_size, options)
 
 
 def _options_type_problem(options: Any, backend: BackendType | None) -> str:
@@ -165,64 +92,6 @@ def _options_type_problem(options: Any, backend: BackendType | None) -> str:
     return (
         f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`{ours}. Got {type(options)}"
     )
-
-
-def _torch_problems(torch_build: tuple, first: tuple) -> list[str]:
-    """Frames name dtypes by their index in torch's dtype list: it must match rank 0's."""
-    if torch_build[1] == first[1]:
-        return []
-    return [
-        f"its torch ({torch_build[0]}) has other dtypes than rank 0's ({first[0]}); "
-        "install the same torch version on every rank"
-    ]
-
-
-def _raise_init_problems(everyone: list) -> None:
-    lines = [f"  rank {r} ({n!r}): {p}" for r, (n, ps) in enumerate(everyone) for p in ps]
-    seen: dict[str, int] = {}
-    for r, (n, _) in enumerate(everyone):
-        if n in seen:
-            lines.append(f"  RPC worker name {n!r} is not unique: ranks {seen[n]} and {r} use it")
-        seen.setdefault(n, r)
-    if lines:
-        raise RuntimeError(
-            "init_rpc failed on every rank because:\n"
-            + "\n".join(lines)
-            + "\nFix the arguments and call init_rpc again."
-        )
-
-
-def _install_exit_hooks(size: int) -> None:
-    global _exit_hook_installed
-    if _exit_hook_installed:
-        return
-    _exit_hook_installed = True
-    # Runs before the interpreter joins thread pools (and before mpi4py's
-    # MPI_Finalize), so peers still get their answers.
-    register_atexit(_shutdown_at_exit)
-    if size > 1:
-        end_job_on_sigterm()
-        previous = sys.excepthook
-
-        def abort_job(exc_type, exc, tb):
-            previous(exc_type, exc, tb)
-            # An exception that ends the program has the frames it passed through; one
-            # without is an error CPython printed and went on from (a deallocator's
-            # SystemError), which ends nothing.
-            if issubclass(exc_type, SystemExit) or tb is None:
-                return
-            rank = MPI.COMM_WORLD.Get_rank()
-            abort_mpi_job(
-                f"lightning_distgrad: uncaught {exc_type.__name__} on rank {rank}; "
-                "aborting the MPI job so the other ranks do not wait forever.\n"
-            )
-
-        sys.excepthook = abort_job
-
-
-def _shutdown_at_exit() -> None:
-    if _core.current_agent() is not None:
-        shutdown(graceful=True)
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
@@ -249,22 +118,8 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         >>> rpc.init_rpc()
         >>> rpc.shutdown()   # on every rank
     """
-    timeout = _core.check_timeout(timeout, unset_ok=False)
-    agent = _core.require_agent()
-    finished = not graceful
-    try:
-        if graceful:
-            # As torch's: user RRefs go only once every worker is in shutdown. A worker
-            # that calls it at once (a tutorial's trainer) still serves work that uses
-            # them.
-            _shutdown.graceful(
-                agent, timeout, lambda: _rref_context._require_context().delete_all_users(agent)
-            )
-            finished = True
-    finally:
-        _core.set_agent(None)
-        agent.stop(wait=finished, drained=graceful and finished)
-        _hooks.get().on_shutdown()
+    timeout = dispatch.check_timeout(timeout, unset_ok=False)
+    _lifecycle.stop(dispatch.require_agent(), graceful, timeout)
 
 
 def rpc_sync(
@@ -297,8 +152,8 @@ def rpc_sync(
         tensor([4., 4.])
         >>> rpc.shutdown()
     """
-    return _core.wait(
-        _core.invoke(to, func, args, kwargs, timeout, user_visible=False, profile="sync")
+    return dispatch.wait(
+        dispatch.invoke(to, func, args, kwargs, timeout, user_visible=False, profile="sync")
     )
 
 
@@ -322,7 +177,7 @@ def rpc_async(
         >>> fut.wait()
         tensor([4., 4.])
     """
-    future = _core.invoke(to, func, args, kwargs, timeout, user_visible=True, profile="async")
+    future = dispatch.invoke(to, func, args, kwargs, timeout, user_visible=True, profile="async")
     # Each ``_wait_all()`` block this thread is in (ours, torch's) waits for it at its end.
     torchs = torch_rpc_thread_local()
     for local in {_thread_local_var, torchs} - {None}:
@@ -379,7 +234,7 @@ def remote(
         >>> rref.to_here()
         tensor([4., 4.])
     """
-    return _rref.create_remote(to, func, args, kwargs, timeout)
+    return RRef._create_remote(to, func, args, kwargs, timeout)
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
@@ -390,10 +245,10 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
         >>> rpc.get_worker_info("worker1")
         WorkerInfo(id=1, name=worker1)
     """
-    agent = _core.require_agent()
+    agent = dispatch.require_agent()
     if worker_name is None:
         return agent.info
-    return _core.resolve(agent, worker_name)
+    return dispatch.resolve(agent, worker_name)
 
 
 def get_rpc_timeout() -> float:
@@ -406,7 +261,7 @@ def get_rpc_timeout() -> float:
         >>> rpc.get_rpc_timeout()
         20.0
     """
-    return _core.require_agent().timeout
+    return dispatch.require_agent().timeout
 
 
 def _set_rpc_timeout(rpc_timeout: float) -> None:
@@ -418,16 +273,16 @@ def _set_rpc_timeout(rpc_timeout: float) -> None:
         >>> rpc.get_rpc_timeout()
         5.0
     """
-    rpc_timeout = _core.check_timeout(rpc_timeout, "rpc_timeout", unset_ok=False)
-    _core.require_agent().timeout = rpc_timeout
+    rpc_timeout = dispatch.check_timeout(rpc_timeout, "rpc_timeout", unset_ok=False)
+    dispatch.require_agent().timeout = rpc_timeout
 
 
 def _get_current_rpc_agent() -> Agent:
-    return _core.require_agent()
+    return dispatch.require_agent()
 
 
 def _rref_context_get_debug_info() -> dict[str, int]:
-    return _rref_context._require_context().debug_info()
+    return bookkeeping.require_context().debug_info()
 
 
 def _get_debug_info() -> dict[str, Any]:
@@ -446,6 +301,6 @@ def _get_debug_info() -> dict[str, Any]:
         12
     """
     info: dict[str, Any] = dict(_rref_context_get_debug_info())
-    info.update(_core.require_agent().debug_info())
-    info.update(_hooks.get().debug_info())
+    info.update(dispatch.require_agent().debug_info())
+    info.update(autograd_hooks.get().debug_info())
     return info

@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 # Re-exported under torch's names (torch's module lists none in __all__ either).
-from ._core import UNSET_RPC_TIMEOUT as UNSET_RPC_TIMEOUT
+from ._calls.dispatch import UNSET_RPC_TIMEOUT as UNSET_RPC_TIMEOUT
 from .options import DEFAULT_NUM_WORKER_THREADS as DEFAULT_NUM_WORKER_THREADS
 from .options import DEFAULT_RPC_TIMEOUT_SEC as DEFAULT_RPC_TIMEOUT_SEC
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ._core import check_timeout
+from ._calls.dispatch import check_timeout
 
 __all__ = [
     "BackendType",

@@ -31,224 +31,51 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from .._compat import CFuture
-from . import _core, _hooks
-from ._agent import WorkerInfo
-from ._calls import UserFuture
-from ._errors import (
-    async_wrong_type_error,
-    is_async_function,
-    print_user_error,
-    set_error,
-    timeout_error,
-)
-from ._profiling import run_recorded
-from ._rref_context import (
+from ._calls import autograd_hooks, dispatch
+from ._calls.errors import timeout_error
+from ._calls.payload import current_pickling_context, current_unpickling_context
+from ._calls.spans import run_recorded
+from ._calls.worker_info import WorkerInfo
+from ._rrefs.bookkeeping import (
     ForkChange,
+    OwnerEntry,
     RRefContext,
-    _guid_str,
-    _OwnerEntry,
-    _require_context,
-    _UserState,
+    UserState,
     current_context,
-    received_fork,
+    guid_str,
+    require_context,
 )
-from ._wire import Kind, current_pickling_context
-from .functions import async_execution
+from ._rrefs.owner_side import (
+    _create_owner_value,
+    _rref_backward,
+    _rref_fetch,
+    _rref_typeof_on_owner,
+)
+from ._rrefs.proxies import Proxy
+from ._transport import Kind
 
 __all__ = ["RRef"]
 
 T = TypeVar("T")
 
 
-# ---------------------------------------------------------------------------
-# RPC handlers (run on the owner)
-
-
-@async_execution
-def _create_owner_value(rref_id, func: Callable, args: tuple, kwargs: dict) -> torch.futures.Future:
-    context = _require_context()
-    entry = context.entry(rref_id)
-    done: torch.futures.Future = torch.futures.Future()
-
-    def finish(value: Any = None, error: BaseException | None = None) -> None:
-        if error is None:
-            entry.future.set_result(value)
-            done.set_result(None)
-        else:
-            # The stored error must not reference entry or done: drop the traceback
-            # entry of the frame that caught it (this function or on_done), which
-            # does; a cycle through C++ futures is never collected. The function's
-            # own frames stay.
-            tb = error.__traceback__
-            error = error.with_traceback(tb.tb_next if tb is not None else None)
-            set_error(entry.future, error)
-            set_error(done, error)
-        context.value_set(entry)
-
-    try:
-        result = func(*args, **kwargs)
-    except BaseException as e:
-        if isinstance(e, Exception) and not _core.is_builtin(func):
-            print_user_error(e, _core.require_agent().info)  # as a call's callee does
-        finish(error=e)
-        return done
-    if is_async_function(func) and not isinstance(result, CFuture):
-        # Not raised here: the RRef's value fails, and to_here() raises it, as torch's.
-        finish(error=async_wrong_type_error(result))
-        return done
-    # CFuture: ``then()``/``collect_all()`` return the C base class.
-    if is_async_function(func):
-
-        def on_done(f: torch.futures.Future) -> None:
-            try:
-                finish(f.wait())
-            except BaseException as e:
-                finish(error=e)
-
-        result.add_done_callback(on_done)
-    else:
-        finish(result)
-    return done
-
-
-@async_execution
-def _rref_fetch(rref_id) -> torch.futures.Future:
-    return _require_context().entry(rref_id).future
-
-
-@async_execution
-def _rref_typeof_on_owner(rref_id) -> torch.futures.Future:  # torch's name, as profiled
-    # Answered when the value is set: a serving thread does not wait for a creation
-    # that is still running. A failed creation answers with its own error.
-    value = _require_context().entry(rref_id).future
-    value_type: torch.futures.Future = torch.futures.Future()
-
-    def answer(f: torch.futures.Future) -> None:
-        try:
-            value_type.set_result(type(f.wait()))
-        except BaseException as e:
-            _fail(value_type, e)
-
-    value.add_done_callback(answer)
-    return value_type
-
-
-@async_execution
-def _invoke_on_rref(rref: RRef, name: str, args: tuple, kwargs: dict) -> torch.futures.Future:
-    value = rref.local_value()
-    method = getattr(value, name)
-    if is_async_function(getattr(type(value), name, None)):
-        return method(*args, **kwargs)
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(method(*args, **kwargs))
-    return fut
-
-
-def _rref_backward(rref: RRef, ctx_id: int, retain_graph: bool) -> None:
-    rref.backward(ctx_id, retain_graph)
-
-
 def _rebuild_rref(owner: WorkerInfo, rref_id, fork_id, confirmed: bool) -> RRef:
-    context = _require_context()
+    context = require_context()
     if owner.id == context.worker_id:
         return RRef._from_entry(context.consume_fork(rref_id, fork_id))
-    state = _UserState(owner, rref_id, fork_id, confirmed)
+    state = UserState(owner, rref_id, fork_id, confirmed)
     if not confirmed:  # handed on by a user: the owner confirms it once registered
         confirmation = context.await_confirmation(state)
-        if confirmation is not None:
-            received_fork(confirmation)
+        unpickling = current_unpickling_context()
+        if confirmation is not None and unpickling is not None:
+            unpickling.confirmations.append(confirmation)  # the request runs once confirmed
     return RRef._from_user(state)
-
-
-# ---------------------------------------------------------------------------
-
-
-def _check_method(value_type: type, name: str) -> None:
-    """torch's proxies look the method up on the value's type before calling it: a
-    missing one raises ``AttributeError`` here, on the caller."""
-    getattr(value_type, name)
 
 
 def _done_future(value: Any) -> torch.futures.Future:
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(value)
     return done
-
-
-class _Proxy:
-    """``rref.rpc_sync().method(...)`` and friends: run a method on the owner.
-
-    As torch's proxies, a call first learns the value's type (``RRef._get_type``,
-    within the call's timeout, so a value still being created times the call out),
-    and raises ``AttributeError`` for a method the type lacks; ``rpc_async`` does
-    both without blocking and reports them through its future.
-    """
-
-    def __init__(self, rref: RRef, mode: str, timeout: float):
-        timeout = _core.check_timeout(timeout)  # at rref.rpc_sync(timeout), not at the method call
-        self._rref = rref
-        self._mode = mode
-        self._timeout = timeout
-
-    def __getattr__(self, name: str) -> Callable:
-        rref, mode, timeout = self._rref, self._mode, self._timeout
-
-        def call(*args, **kwargs):
-            packed = (rref, name, args, kwargs)
-            if mode == "async":
-                return _proxy_async(rref, name, packed, timeout)
-            _check_method(rref._get_type(timeout), name)
-            if mode == "remote":
-                return create_remote(rref.owner(), _invoke_on_rref, packed, None, timeout)
-            fut = _core.invoke(
-                rref.owner(), _invoke_on_rref, packed, None, timeout, user_visible=False
-            )
-            return _core.wait(fut)
-
-        return call
-
-
-def _proxy_async(rref: RRef, name: str, packed: tuple, timeout: float) -> torch.futures.Future:
-    """``rref.rpc_async().name(...)``: the call's future, sent once the type is known."""
-    type_future = rref._get_type(timeout, blocking=False)
-
-    def send() -> torch.futures.Future:
-        _check_method(type_future.wait(), name)
-        return _core.invoke(rref.owner(), _invoke_on_rref, packed, None, timeout)
-
-    if type_future.done():  # the type was known: send from the caller's thread, as rpc_async
-        try:
-            return send()
-        except BaseException as e:
-            failed: torch.futures.Future = torch.futures.Future()
-            _fail(failed, e)
-            return failed
-    result = UserFuture(_core.require_agent().transport)
-
-    def on_type(_: torch.futures.Future) -> None:
-        try:
-            call = send()
-        except BaseException as e:
-            _fail(result, e)
-            return
-        call.add_done_callback(functools.partial(_copy_outcome, result))
-
-    type_future.add_done_callback(on_type)
-    return result
-
-
-def _copy_outcome(into: torch.futures.Future, done: torch.futures.Future) -> None:
-    try:
-        into.set_result(done.wait())
-    except BaseException as e:
-        _fail(into, e)
-
-
-def _fail(future: torch.futures.Future, error: BaseException) -> None:
-    # Without its traceback: the frames it holds reference ``future`` and the RRef, a
-    # cycle through the C++ future that would keep the value on its owner forever.
-    set_error(future, error.with_traceback(None))
 
 
 class RRef(Generic[T]):
@@ -278,27 +105,27 @@ class RRef(Generic[T]):
     __slots__ = ("_entry", "_user", "_creation", "_context", "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None):
-        _core.require_agent(_core.AGENT_NOT_SET)
-        context = _require_context()
+        dispatch.require_agent(dispatch.AGENT_NOT_SET)
+        context = require_context()
         entry = context.new_entry()
         entry.future.set_result(value)
-        self._entry: _OwnerEntry | None = entry
-        self._user: _UserState | None = None
+        self._entry: OwnerEntry | None = entry
+        self._user: UserState | None = None
         self._creation: torch.futures.Future | None = None
         self._context: RRefContext = context
 
     @classmethod
-    def _from_entry(cls, entry: _OwnerEntry, creation=None) -> RRef:
+    def _from_entry(cls, entry: OwnerEntry, creation=None) -> RRef:
         rref = cls.__new__(cls)
         rref._entry, rref._user, rref._creation = entry, None, creation
-        rref._context = _require_context()
+        rref._context = require_context()
         return rref
 
     @classmethod
-    def _from_user(cls, state: _UserState) -> RRef:
+    def _from_user(cls, state: UserState) -> RRef:
         rref = cls.__new__(cls)
         rref._entry, rref._user, rref._creation = None, state, state.creation
-        rref._context = _require_context()
+        rref._context = require_context()
         rref._context.track_user(rref)
         return rref
 
@@ -306,7 +133,7 @@ class RRef(Generic[T]):
         """The bookkeeping of this RRef's RPC session, which must still be running: ids
         start again with each ``init_rpc``, so in a later session this RRef's ids would
         name other values."""
-        context = _require_context()
+        context = require_context()
         if context is not self._context:
             raise RuntimeError(
                 f"{self} belongs to an RPC session that has been shut down: an RRef cannot "
@@ -324,7 +151,7 @@ class RRef(Generic[T]):
         """The ``WorkerInfo`` of the owner."""
         if self._user is not None:
             return self._user.owner
-        return _core.require_agent().info
+        return dispatch.require_agent().info
 
     def owner_name(self) -> str:
         """The name of the owner."""
@@ -348,10 +175,10 @@ class RRef(Generic[T]):
 
     def __repr__(self) -> str:
         if self._user is None:
-            return f"OwnerRRef({_guid_str(self._rref_id())})"
+            return f"OwnerRRef({guid_str(self._rref_id())})"
         return (
-            f"UserRRef(RRefId = {_guid_str(self._user.rref_id)}, "
-            f"ForkId = {_guid_str(self._user.fork_id)})"
+            f"UserRRef(RRefId = {guid_str(self._user.rref_id)}, "
+            f"ForkId = {guid_str(self._user.fork_id)})"
         )
 
     # -- values -----------------------------------------------------------------
@@ -359,21 +186,21 @@ class RRef(Generic[T]):
     def local_value(self) -> T:
         """The value itself; only on the owner."""
         if self._user is not None:
-            me = _core.require_agent().info
+            me = dispatch.require_agent().info
             raise RuntimeError(
-                f"For UserRRef(rref_id={_guid_str(self._user.rref_id)}, "
-                f"fork_id={_guid_str(self._user.fork_id)}), can't call localValue() on user "
+                f"For UserRRef(rref_id={guid_str(self._user.rref_id)}, "
+                f"fork_id={guid_str(self._user.fork_id)}), can't call localValue() on user "
                 f"{me}. Call it on owner {self._user.owner}"
             )
         return self._entry.future.wait()
 
-    def to_here(self, timeout: float = _core.UNSET_RPC_TIMEOUT) -> T:
+    def to_here(self, timeout: float = dispatch.UNSET_RPC_TIMEOUT) -> T:
         """The value: itself on the owner, a copy fetched from the owner elsewhere.
 
         Inside a distributed autograd context the fetch is recorded, so
         gradients flow back to the owner's value.
         """
-        timeout = _core.check_timeout(timeout)
+        timeout = dispatch.check_timeout(timeout)
         if self._user is None:
             return self._entry.future.wait()
         if self._user.deleted:
@@ -384,7 +211,7 @@ class RRef(Generic[T]):
         return run_recorded(self._to_here_span, self._fetch, timeout)
 
     def _to_here_span(self) -> tuple[str, None]:
-        caller, owner = _core.require_agent().info.name, self._user.owner.name
+        caller, owner = dispatch.require_agent().info.name, self._user.owner.name
         return f"to_here#({caller})->({owner})", None  # torch's name
 
     def _fetch(self, timeout: float) -> T:
@@ -392,8 +219,8 @@ class RRef(Generic[T]):
         # The creation's answer first: a creation that failed before it ran (its
         # request could not be read on the owner) leaves nothing there to fetch.
         self._raise_if_creation_failed(timeout)
-        value = _core.wait(
-            _core.invoke(
+        value = dispatch.wait(
+            dispatch.invoke(
                 self._user.owner,
                 _rref_fetch,
                 (self._user.rref_id,),
@@ -410,10 +237,10 @@ class RRef(Generic[T]):
         creation = self._creation
         if creation is None:
             return
-        agent = _core.require_agent()
-        if timeout == _core.UNSET_RPC_TIMEOUT:
+        agent = dispatch.require_agent()
+        if timeout == dispatch.UNSET_RPC_TIMEOUT:
             timeout = agent.timeout
-        if not agent.wait_done(creation, timeout):
+        if not agent.waiting.wait(creation, timeout):
             raise timeout_error(timeout, self.owner())
         try:
             creation.wait()
@@ -440,14 +267,14 @@ class RRef(Generic[T]):
         profiler recording that call has recorded its end (torch's RRef method)."""
         return self._get_future()
 
-    def _get_type(self, timeout: float = _core.UNSET_RPC_TIMEOUT, blocking: bool = True):
+    def _get_type(self, timeout: float = dispatch.UNSET_RPC_TIMEOUT, blocking: bool = True):
         """The type of the value (a future of it with ``blocking=False``), as torch's.
 
         On a user it is asked of the owner, which answers once the value is set, within
         ``timeout``; the answer is kept (``blocking=False`` returns the same future each
         time), a failed one is not.
         """
-        timeout = _core.check_timeout(timeout)
+        timeout = dispatch.check_timeout(timeout)
         if self._user is None:
             value_type = type(self._entry.future.wait())
             return value_type if blocking else _done_future(value_type)
@@ -455,7 +282,7 @@ class RRef(Generic[T]):
         state = self._user
         future = state.type_future
         if future is None:
-            future = _core.invoke(
+            future = dispatch.invoke(
                 state.owner,
                 _rref_typeof_on_owner,
                 (state.rref_id,),
@@ -474,21 +301,21 @@ class RRef(Generic[T]):
                         state.type_future = None
 
             future.add_done_callback(forget_failure)
-        return _core.wait(future) if blocking else future
+        return dispatch.wait(future) if blocking else future
 
     # -- proxies ----------------------------------------------------------------
 
-    def rpc_sync(self, timeout: float = _core.UNSET_RPC_TIMEOUT) -> Any:
+    def rpc_sync(self, timeout: float = dispatch.UNSET_RPC_TIMEOUT) -> Any:
         """A proxy whose method calls run on the owner with ``rpc_sync``."""
-        return _Proxy(self, "sync", timeout)
+        return Proxy(self, "sync", timeout)
 
-    def rpc_async(self, timeout: float = _core.UNSET_RPC_TIMEOUT) -> Any:
+    def rpc_async(self, timeout: float = dispatch.UNSET_RPC_TIMEOUT) -> Any:
         """A proxy whose method calls run on the owner with ``rpc_async``."""
-        return _Proxy(self, "async", timeout)
+        return Proxy(self, "async", timeout)
 
-    def remote(self, timeout: float = _core.UNSET_RPC_TIMEOUT) -> Any:
+    def remote(self, timeout: float = dispatch.UNSET_RPC_TIMEOUT) -> Any:
         """A proxy whose method calls run on the owner with ``remote``."""
-        return _Proxy(self, "remote", timeout)
+        return Proxy(self, "remote", timeout)
 
     # -- autograd ---------------------------------------------------------------
 
@@ -503,13 +330,13 @@ class RRef(Generic[T]):
             if dist_autograd_ctx_id == -1:
                 raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
             self._live_context()
-            _core.wait(
-                _core.invoke(
+            dispatch.wait(
+                dispatch.invoke(
                     self._user.owner,
                     _rref_backward,
                     (self, dist_autograd_ctx_id, retain_graph),
                     None,
-                    _core.UNSET_RPC_TIMEOUT,
+                    dispatch.UNSET_RPC_TIMEOUT,
                     user_visible=False,
                 )
             )
@@ -520,7 +347,38 @@ class RRef(Generic[T]):
         if dist_autograd_ctx_id == -1:
             torch.autograd.backward([value], retain_graph=retain_graph)
         else:
-            _hooks.get().backward(dist_autograd_ctx_id, [value], retain_graph)
+            autograd_hooks.get().backward(dist_autograd_ctx_id, [value], retain_graph)
+
+    @classmethod
+    def _create_remote(cls, to: Any, func: Callable, args, kwargs, timeout: float) -> RRef:
+        """``rpc.remote``: run ``func`` on ``to`` and return a reference to its result."""
+        timeout = dispatch.check_timeout(timeout)
+        agent = dispatch.require_agent()
+        dst = dispatch.resolve(agent, to)
+        if not callable(func):
+            raise TypeError("function should be callable.")
+        context = require_context()
+        rref_id = context.new_guid()
+        packed = (rref_id, func, tuple(args or ()), dict(kwargs or {}))
+        force = not dispatch.is_builtin(func)
+        local = dst.id == agent.info.id
+        entry = context.new_entry(rref_id) if local else None
+        fork_id = None if local else context.new_guid()
+        creation = dispatch.invoke(
+            dst,
+            _create_owner_value,
+            packed,
+            None,
+            timeout,
+            user_visible=False,
+            force_autograd=force,
+            arrival_forks=None if local else [(rref_id, fork_id)],
+            profile="remote",
+            profiled_func=func,
+        )
+        if local:
+            return cls._from_entry(entry, creation)
+        return cls._from_user(UserState(dst, rref_id, fork_id, False, creation))
 
     # -- pickling and lifetime ----------------------------------------------------
 
@@ -530,7 +388,7 @@ class RRef(Generic[T]):
             raise RuntimeError(
                 "Can not pickle rref in python pickler, rref can only be pickled when using RPC"
             )
-        agent = _core.require_agent()
+        agent = dispatch.require_agent()
         context = self._live_context()
         fork_id = context.new_guid()
         owner = self.owner()
@@ -578,41 +436,10 @@ class RRef(Generic[T]):
         user = getattr(self, "_user", None)
         if user is None or user.deleted:
             return
-        agent = _core.current_agent()
+        agent = dispatch.current_agent()
         # Only into its own session: a later one's owners know nothing of this fork.
         if agent is not None and current_context() is self._context:
             try:
                 self._delete(agent, soon=True)
             except Exception:  # interpreter teardown: nothing left to tell
                 pass
-
-
-def create_remote(to: Any, func: Callable, args, kwargs, timeout: float) -> RRef:
-    """``rpc.remote``: run ``func`` on ``to`` and return a reference to its result."""
-    timeout = _core.check_timeout(timeout)
-    agent = _core.require_agent()
-    dst = _core.resolve(agent, to)
-    if not callable(func):
-        raise TypeError("function should be callable.")
-    context = _require_context()
-    rref_id = context.new_guid()
-    packed = (rref_id, func, tuple(args or ()), dict(kwargs or {}))
-    force = not _core.is_builtin(func)
-    local = dst.id == agent.info.id
-    entry = context.new_entry(rref_id) if local else None
-    fork_id = None if local else context.new_guid()
-    creation = _core.invoke(
-        dst,
-        _create_owner_value,
-        packed,
-        None,
-        timeout,
-        user_visible=False,
-        force_autograd=force,
-        arrival_forks=None if local else [(rref_id, fork_id)],
-        profile="remote",
-        profiled_func=func,
-    )
-    if local:
-        return RRef._from_entry(entry, creation)
-    return RRef._from_user(_UserState(dst, rref_id, fork_id, False, creation))

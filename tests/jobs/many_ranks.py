@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
-from lightning_distgrad._mpi_wait import wait_all
+from lightning_distgrad._backoff import wait_all
 from lightning_distgrad.optim import DistributedOptimizer
 
 #: Bound for asynchronous cleanup (context releases, RRef deletes) to settle.

@@ -23,14 +23,15 @@ from mpi4py import MPI
 from lightning_distgrad import rpc
 from lightning_distgrad.lightning import MPIClusterEnvironment
 from lightning_distgrad.lightning.strategy import DistAutogradStrategy
-from lightning_distgrad.rpc import _core
-from lightning_distgrad.rpc._doorbell import BOARD_DIR, Doorbell, node_doorbell
+from lightning_distgrad.rpc._calls import dispatch
+from lightning_distgrad.rpc._transport.doorbell import BOARD_DIR, Doorbell, node_doorbell
 
 #: Prefix of the one line each rank prints; the test picks the lines by it.
 MARK = "NODE_FACTS "
 #: How long a ring may take to arrive between processes on one node.
 RING_WAIT_S = 0.5
-#: Big enough to be written into a peer's memory on the same node (see ``rpc._push``).
+#: Big enough to be written into a peer's memory on the same node (see
+#: ``rpc._transport.direct_writes``).
 BIG_TENSOR_BYTES = 4 << 20
 
 
@@ -125,7 +126,7 @@ def rpc_facts(world: MPI.Comm) -> dict[str, Any]:
     names = [rpc.rpc_sync(peer, socket.gethostname) for peer in range(world.Get_size())]
     big = torch.arange(BIG_TENSOR_BYTES // 4, dtype=torch.float32) * (world.Get_rank() + 1)
     echoed = [torch.equal(rpc.rpc_sync(p, echo, (big,)), big) for p in range(world.Get_size())]
-    bell = _core.require_agent().transport._bell
+    bell = dispatch.require_agent().transport._bell
     peers = rpc.api._get_debug_info()["peers"]
     facts = {
         "peer_hosts": names,

@@ -1,0 +1,533 @@
+"""MPI transport: private communicators and one progress engine.
+
+One lock guards every MPI call and every field of :class:`Transport`. Whoever
+holds it posts sends, probes for frames, starts and tests transfers, and
+takes the frames that completed; their handlers then run outside the lock, on
+that same thread, in arrival order.
+
+Who polls is the :class:`Poller` state. The progress thread polls by
+default. A thread that waits for a result may poll in its place
+(:meth:`Transport.drive_until`): the reply then wakes no other thread. Nobody
+parks inside a blocking MPI call (MPICH spins there, costing a whole core): an
+idle poller naps with a doubling backoff (mpi4py.futures style), and peers on
+the same node end the nap with the doorbell (see ``doorbell``).
+
+Nothing a peer sends can stop progress: a frame that fails to decode or
+validate goes to ``on_malformed``, an error raised while handling a frame is
+logged, and tensor bytes that never arrive are abandoned at the transfer
+deadline.
+
+The sending side (``sending``) and the receiving side (``receiving``) keep
+their own state, under the same lock. Big tensors to a peer on this node are
+written by the sender into the receiver's buffer (see ``direct_writes``); the
+polling thread makes those writes outside the lock.
+
+Communicators (all duplicates of the user's, so no one else's traffic can
+match ours): ``ctrl`` carries frames (probed with ANY_SOURCE), ``data`` carries
+tensor bytes matched by exact (source, tag), ``push`` the control messages of
+pushed tensors, ``coll`` carries the shutdown collectives.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import heapq
+import logging
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..._backoff import NAP_MAX_S, nap_until
+from . import sparse
+from .direct_writes import PushSend
+from .doorbell import ArmedBackoff, node_doorbell
+from .fail_stop import abort_mpi_job
+from .frames import Frame, FrameLimits, MalformedFrame
+from .receiving import Receiver
+from .sending import Sender
+
+log = logging.getLogger("lightning_distgrad.rpc")
+
+# After traffic, poll without napping this long (only where every rank has a core).
+HOT_S = 0.002
+# A transfer in flight keeps the poller hot this long after the last completion
+# (MPICH moves big messages only inside MPI calls); past it, naps resume.
+TRANSFER_HOT_S = 1.0
+# An idle poller's longest nap, after a quiet spell.
+QUIET_NAP_S = 0.004
+# While a waiter polls, the progress thread sleeps this long between checks (it is rung
+# when it has something to do; a wake-up takes the GIL from the waiter).
+STEPPED_ASIDE_NAP_S = 0.02
+
+
+class Poller(enum.Enum):
+    """Which thread polls MPI."""
+
+    PROGRESS_THREAD = "progress thread"
+    WAITER = "a thread waiting for a result"
+
+
+class State(enum.Enum):
+    RUNNING = "running"
+    STOPPING = "stopping"  # flushing queued sends, then the progress thread exits
+    STOPPED = "stopped"
+
+
+def _in_default_modes() -> bool:
+    """Whether this thread's torch modes are those of a fresh thread."""
+    return (
+        torch.is_grad_enabled()
+        and not torch.is_inference_mode_enabled()
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.is_autocast_enabled("cuda")
+    )
+
+
+@contextlib.contextmanager
+def _default_modes() -> Iterator[None]:
+    """Grad mode on, inference mode and autocast off, as on a fresh thread."""
+    with contextlib.ExitStack() as modes:
+        modes.enter_context(torch.inference_mode(False))
+        modes.enter_context(torch.enable_grad())
+        modes.enter_context(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available():
+            modes.enter_context(torch.autocast("cuda", enabled=False))
+        yield
+
+
+#: Communicators of stopped transports that may still receive stale messages (see
+#: :meth:`Transport.free`): kept for the life of the process.
+_UNDRAINED_COMMS: list[MPI.Comm] = []
+
+
+class Transport:
+    """Moves frames and tensors between ranks of ``comm``.
+
+    ``on_frame(source, frame, tensors)`` runs for every complete incoming
+    message, in arrival order, on the polling thread, outside the lock.
+    ``on_malformed(source, error)`` runs for a frame that could not be read
+    (``error.frame`` is its header when that decoded). ``transfer_timeout``
+    bounds how long tensor bytes may take to arrive after their frame. ``cuda_ranks``
+    (the same on every rank): the ranks that send or receive CUDA tensors, which probe
+    CUDA IPC with each other (see ``cuda``).
+    """
+
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        on_frame: Callable[[int, Frame, list], None],
+        on_malformed: Callable[[int, MalformedFrame], None],
+        *,
+        limits: FrameLimits,
+        transfer_timeout: float,
+        cuda_ranks: frozenset[int] = frozenset(),
+    ):
+        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            raise RuntimeError(
+                "lightning_distgrad needs MPI initialised with MPI_THREAD_SERIALIZED or "
+                f"higher (got level {MPI.Query_thread()}); do not lower "
+                "mpi4py.rc.thread_level (its default, 'multiple', works)"
+            )
+        self.ctrl = comm.Dup()
+        self.data = comm.Dup()
+        self.push = comm.Dup()
+        self.coll = comm.Dup()
+        self.rank = comm.Get_rank()
+        self._tag_mod = min((self.ctrl.Get_attr(MPI.TAG_UB) or 32767) + 1, 1 << 20)
+        self._bell, oversubscribed = node_doorbell(comm, self.rank)
+        # Spinning only pays where every rank of the node has a core of its own.
+        self.spin = not oversubscribed
+        self._on_frame = on_frame
+        self._on_malformed = on_malformed
+        self._receiver = Receiver(
+            self.ctrl, self.data, self.push, limits, transfer_timeout, self._tag_mod
+        )
+        self._sender = Sender(
+            self.ctrl, self.data, self.push, transfer_timeout, self._tag_mod, cuda_ranks
+        )
+        # Everything below is guarded by _lock.
+        self._lock = threading.Lock()
+        self._state = State.RUNNING
+        self._poller = Poller.PROGRESS_THREAD
+        # The progress thread sleeps while a waiter polls: when the waiter leaves, the
+        # bell is armed so that peers ring it for the next frame (see _hand_back).
+        self._armed_for_hand_back = False
+        self._handlers_running = 0
+        self._ready: collections.deque = collections.deque()  # frames and deferred calls
+        self._deliverer: int | None = None  # ident of the thread handling _ready's items
+        # Calls queued without the lock (call_soon); a deque's append is atomic.
+        self._soon: collections.deque = collections.deque()
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._timer_seq = 0
+        self._last_traffic = time.monotonic()
+        self._stop_deadline = float("inf")
+        self._thread = threading.Thread(
+            target=self._progress_thread, daemon=True, name="distgrad-progress"
+        )
+
+    def start(self) -> None:
+        """Start the progress thread (once the owner is ready for ``on_frame``)."""
+        self._thread.start()
+
+    # -- called from any thread -------------------------------------------------
+
+    def send(
+        self, dst: int, frame: Frame, tensors: list[torch.Tensor], devices: list[str] | None = None
+    ) -> None:
+        """Send ``frame`` (whose ``metas`` get filled here) and its tensors to ``dst``.
+
+        ``devices`` gives each tensor's device on the receiver; None: every tensor is a CPU
+        tensor and lands on the CPU. Sparse tensors travel as their dense components (see
+        ``sparse``).
+        """
+        if any(t.layout is not torch.strided for t in tensors):
+            tensors, devices, entries = sparse.flatten(tensors, devices)
+            frame = frame._replace(sparse=entries)
+        raw, buffers, pushed = self._sender.split(dst, frame, tensors, devices, self._receiver.owns)
+        self.send_raw(dst, raw, buffers, frame.kind.name, pushed)
+
+    def send_raw(
+        self,
+        dst: int,
+        raw: bytes,
+        buffers: list[torch.Tensor] = (),
+        kind: str = "raw",
+        pushed: list[torch.Tensor] = (),
+    ) -> None:
+        """Post encoded frame bytes, then each buffer's bytes, to ``dst`` (in order);
+        ``pushed`` tensors are written into the receiver's buffers once it says where."""
+        with self._lock:
+            self._sender.post(dst, raw, buffers, kind, pushed)
+        if dst == self.rank:
+            self._bell.ring_self()  # our own poller may nap
+        else:
+            self._bell.ring(dst)
+
+    def drive_until(self, done: Callable[[], bool]) -> bool:
+        """Poll on this thread until ``done()``; False at once if another thread waits
+        here already (then wait for the result some other way)."""
+        with self._lock:
+            if self._poller is Poller.WAITER or self._state is not State.RUNNING:
+                return False
+            self._poller = Poller.WAITER
+            self._disarm_hand_back()
+        if not _in_default_modes():
+            # Frames handled here (requests, received tensors, recorded autograd) belong
+            # to other threads and ranks: not to this caller's no_grad or autocast.
+            with _default_modes():
+                self._drive(done)
+        else:
+            self._drive(done)
+        return True
+
+    def frames_sent(self) -> int:
+        with self._lock:
+            return self._sender.frames_sent
+
+    def traffic(self) -> list[dict[str, int]]:
+        """Per peer rank: frames and bytes sent to it and received from it so far, whether
+        big tensors to it are written into its buffers (see ``direct_writes``), and whether CUDA
+        tensors to it travel over CUDA IPC (else staged through host memory, see ``cuda``)."""
+        with self._lock:
+            return [
+                {
+                    "messages_sent": s[0],
+                    "bytes_sent": s[1],
+                    "messages_received": r[0],
+                    "bytes_received": r[1],
+                    "writes_directly": rank in self._sender.push_pids,
+                    "cuda_ipc": rank in self._sender.ipc_peers,
+                }
+                for rank, (s, r) in enumerate(
+                    zip(self._sender.sent_to, self._receiver.received_from, strict=True)
+                )
+            ]
+
+    def is_progress_thread(self, ident: int) -> bool:
+        return ident == self._thread.ident
+
+    def handlers_running(self) -> int:
+        with self._lock:
+            return self._handlers_running
+
+    def busy(self, delta: int) -> None:
+        """Count running request handlers: the poller naps rather than spins meanwhile."""
+        with self._lock:
+            self._handlers_running += delta
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the polling thread, outside the lock, after ``delay`` s."""
+        with self._lock:
+            self._timer_seq += 1
+            entry = (time.monotonic() + delay, self._timer_seq, fn)
+            heapq.heappush(self._timers, entry)
+            # A napping progress thread must wake for a timer earlier than its nap's end;
+            # a waiter that polls fires timers itself.
+            ring = self._timers[0] is entry and self._poller is Poller.PROGRESS_THREAD
+        if ring:
+            self._bell.ring_self()
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the polling thread soon. Takes no lock: safe from ``__del__``,
+        which garbage collection may run on a thread that holds the lock."""
+        self._soon.append(fn)
+        self._bell.ring_self()
+
+    def has_queued(self) -> bool:
+        """Whether calls queued by :meth:`call_soon` have yet to run."""
+        return bool(self._soon)
+
+    def allreduce_sum(self, values: list[int], timeout: float | None = None) -> list[int] | None:
+        """Sum ``values`` over all ranks; None if that took longer than ``timeout`` s.
+
+        Blocks the caller, never the poller. A timed-out collective stays posted
+        (MPI cannot cancel one): use ``coll`` for nothing else afterwards.
+        """
+        send = np.array(values, dtype=np.int64)
+        recv = np.zeros_like(send)
+        with self._lock:
+            request = self.coll.Iallreduce(send, recv, MPI.SUM)
+
+        def finished() -> bool:
+            with self._lock:
+                return request.Test()
+
+        return recv.tolist() if nap_until(finished, timeout) else None
+
+    def stop(self, flush_timeout: float = 5.0) -> None:
+        """Stop the progress thread once queued sends completed (or ``flush_timeout``
+        passed: a peer that stopped receiving cannot hold this rank forever)."""
+        with self._lock:
+            self._state = State.STOPPING
+            self._stop_deadline = time.monotonic() + flush_timeout
+        self._bell.ring_self()
+        self._thread.join()
+
+    def free(self, drained: bool = True) -> None:
+        """Release the communicators; ``drained``: no frame can still be in flight to or
+        from this rank on them (a graceful shutdown made sure of it).
+
+        Otherwise they are kept, never freed: MPI reuses a freed communicator's context
+        id for the next ``Dup``, and messages still arriving for the old one (a peer's
+        requests after a ``shutdown(graceful=False)``, a timed-out collective) would be
+        received by the next ``init_rpc``'s agent as its own.
+        """
+        comms = (self.ctrl, self.data, self.push, self.coll)
+        if drained:
+            for comm in comms:
+                comm.Free()
+        else:
+            _UNDRAINED_COMMS.extend(comms)
+        self._bell.close()
+
+    # -- polling ----------------------------------------------------------------
+
+    def _progress_thread(self) -> None:
+        try:
+            self._poll_loop()
+        except BaseException:
+            # Only a fault of MPI or of this module gets here (frames' own errors are
+            # caught): a dead poller would leave every rank waiting, so fail-stop.
+            traceback.print_exc()
+            abort_mpi_job(
+                f"lightning_distgrad: RPC progress thread failed on rank "
+                f"{self.rank}; aborting the MPI job.\n"
+            )
+
+    def _poll_loop(self) -> None:
+        backoff = ArmedBackoff(self._bell, self._poll_and_run, QUIET_NAP_S)
+        while True:
+            with self._lock:
+                if self._state is State.STOPPING and (
+                    not self._sender.sends or time.monotonic() > self._stop_deadline
+                ):
+                    self._state = State.STOPPED
+                    break
+                stepped_aside = self._poller is Poller.WAITER
+                if not stepped_aside:
+                    self._disarm_hand_back()
+            if stepped_aside:
+                # The waiter polls, fires timers and answers rings; it arms our bell
+                # and rings it when it leaves (see _hand_back).
+                backoff.reset()
+                self._bell.wait(STEPPED_ASIDE_NAP_S)
+                continue
+            self._poll_step(backoff)
+        backoff.reset()
+
+    def _drive(self, done: Callable[[], bool]) -> None:
+        backoff = None if self.spin else ArmedBackoff(self._bell, self._poll_and_run, NAP_MAX_S)
+        try:
+            while not done():
+                progressed = self._poll_and_run()
+                if progressed:  # done() may be true now: check before yielding
+                    if backoff is not None:
+                        backoff.reset()
+                elif backoff is None:
+                    os.sched_yield()
+                elif backoff.sleep(0.0, self._until_next_timer()):
+                    backoff.reset()
+        finally:
+            if backoff is not None:
+                backoff.reset()
+            self._hand_back()
+
+    def _hand_back(self) -> None:
+        """The waiter leaves: the progress thread polls again. Its bell is armed so that
+        peers ring it, and rung now only if work is waiting (waking it for nothing, once
+        per call, costs more than it saves)."""
+        with self._lock:
+            self._poller = Poller.PROGRESS_THREAD
+            if not self._armed_for_hand_back:
+                self._armed_for_hand_back = True
+                self._bell.arm()
+            pending = bool(
+                self._sender.sends
+                or self._receiver.incoming
+                or self._ready
+                or self._soon
+                or (self._timers and self._timers[0][0] <= time.monotonic())
+                or self._receiver.frame_waiting()
+            )
+        if pending:
+            self._bell.ring_self()
+
+    def _disarm_hand_back(self) -> None:
+        """Under the lock: someone polls again, so peers need not ring for it."""
+        if self._armed_for_hand_back:
+            self._armed_for_hand_back = False
+            self._bell.disarm()
+
+    def _poll_step(self, backoff: ArmedBackoff) -> None:
+        """One step of the progress thread: poll, then spin or nap if nothing came."""
+        if self._poll_and_run():
+            backoff.reset()
+            return
+        now = time.monotonic()
+        with self._lock:
+            idle_for = now - self._last_traffic
+            hot = (
+                self.spin
+                and not self._handlers_running
+                and (
+                    idle_for < HOT_S
+                    or (self._receiver.incoming and idle_for < TRANSFER_HOT_S)
+                    or (self._sender.sends and idle_for < TRANSFER_HOT_S)
+                )
+            )
+            limit = self._until_next_timer_locked(now)
+        if hot:
+            os.sched_yield()
+        elif backoff.sleep(idle_for, limit):
+            backoff.reset()
+
+    def _poll_and_run(self) -> bool:
+        """Poll once under the lock, then run what completed outside it.
+
+        One thread delivers at a time, so frames are handled in arrival order: a
+        thread that finds another delivering leaves its frames to that one, which
+        takes them before it stops. A handler that polls again (a nested wait)
+        delivers too, and the outer call releases the turn.
+        """
+        me = threading.get_ident()
+        soon = self._soon
+        while soon:
+            try:
+                fn = soon.popleft()
+            except IndexError:  # another poller took the last one
+                break
+            self._run(fn)
+        with self._lock:
+            progressed = self._post_and_poll()
+            now = time.monotonic()
+            if progressed:
+                self._last_traffic = now
+            while self._timers and self._timers[0][0] <= now:
+                self._ready.append(heapq.heappop(self._timers)[2])
+            writes = self._sender.take_writes()
+            answered = self._receiver.answered
+            if answered:
+                self._receiver.answered = []
+            items = None
+            if self._ready and self._deliverer in (None, me):
+                outer = self._deliverer is None
+                self._deliverer = me
+                items = list(self._ready)
+                self._ready.clear()
+        for peer in answered:
+            self._bell.ring(peer)  # it waits for our clear-to-send
+        if writes:
+            self._write(writes)
+        if items is None:
+            return progressed
+        while items:
+            for item in items:
+                self._run_item(item)
+            with self._lock:
+                items = list(self._ready)
+                self._ready.clear()
+                if not items and outer:
+                    self._deliverer = None
+        return progressed
+
+    def _write(self, pushes: list[PushSend]) -> None:
+        """Write cleared pushes into their receivers' buffers, then send their DONEs."""
+        for push in pushes:
+            outcome = push.write()
+            with self._lock:
+                push.finish(outcome)
+            self._bell.ring(push.dst)
+        with self._lock:
+            self._last_traffic = time.monotonic()
+
+    def _run_item(self, item) -> None:
+        if callable(item):
+            self._run(item)
+        elif isinstance(item, MalformedFrame):
+            self._run(lambda: self._on_malformed(item.source, item))
+        else:
+            self._run(lambda: self._deliver(*item))
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        """Run a handler; its failure is logged and stops nothing else."""
+        try:
+            fn()
+        except Exception:
+            log.error(
+                "lightning_distgrad: a message handler failed on rank %d:\n%s",
+                self.rank,
+                traceback.format_exc(),
+            )
+
+    def _deliver(self, source: int, frame: Frame, tensors: list) -> None:
+        if frame.sparse:
+            try:
+                tensors = sparse.unflatten(tensors, frame.sparse)
+            except (RuntimeError, ValueError) as e:
+                reason = f"a sparse tensor breaks its layout's invariants: {e}"
+                error = MalformedFrame(reason, frame)
+                error.source = source
+                self._on_malformed(source, error)
+                return
+        self._on_frame(source, frame, tensors)
+
+    # -- under the lock ----------------------------------------------------------
+
+    def _post_and_poll(self) -> bool:
+        progressed = self._receiver.poll(self._ready)
+        return self._sender.poll() | progressed
+
+    def _until_next_timer(self) -> float:
+        with self._lock:
+            return self._until_next_timer_locked(time.monotonic())
+
+    def _until_next_timer_locked(self, now: float) -> float:
+        return max(0.0, self._timers[0][0] - now) if self._timers else float("inf")
