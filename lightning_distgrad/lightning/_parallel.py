@@ -3,38 +3,56 @@
 :class:`MPIRolesStrategy` is the part of ``DistAutogradStrategy`` that Lightning's
 ``ParallelStrategy`` layer covers for its other strategies: who this process is (for Lightning
 the world is the trainers; serving ranks stand outside it), the launcher
-(:class:`~._roles.RoleLauncher`), the RPC agent over all ranks, and Lightning's collectives
+(:class:`RoleLauncher`), the RPC agent over all ranks, and Lightning's collectives
 (reduce, barrier, broadcast, all_gather) over the trainers' own communicator. Processes come from
 ``mpiexec`` or ``srun``, never from Lightning. ``strategy.py`` adds the training itself.
+
+Every rank runs the same script and calls the same ``Trainer`` entry points (``fit``,
+``validate``, ``test``, ``predict``). Lightning hands each entry point to the strategy's
+launcher. On a training rank :class:`RoleLauncher` runs it as usual and, when it ends (or
+fails), reports to every serving rank. On a serving rank it runs no Lightning code at all: it
+joins the RPC agent, answers RPCs (RemoteModule forwards, backward passes, optimizer steps,
+checkpoint reads) until every trainer has reported, then returns ``None``, or raises the error a
+trainer reported.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import signal
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
 from .. import rpc
-from .._compat import quiet_lightning_pytree
+from .._compat import Launcher, quiet_lightning_pytree
 from ..rpc import _internal
+from . import _requeue
 from ._collectives import AllGather, TrainerCollectives, reduce_op_name
-from ._requeue import SlurmRequeue
-from ._roles import RoleLauncher, Roles, check_devices, resolve_roles
+from ._remote import StageReport, report_stage, stage_board
+from ._requeue import RequeueExit, SlurmRequeue
+from ._roles import Roles, check_devices, resolve_roles
 from .environment import MPIClusterEnvironment
 
-__all__ = ["MPIRolesStrategy"]
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
+__all__ = ["MPIRolesStrategy", "RoleLauncher"]
 
 log = logging.getLogger(__name__)
+
+# Every rank counts its launches (one per Trainer entry point); the count names the stage.
+_stages = itertools.count()
 
 _SRUN_HINT = r"The `srun` command is available on your system but is not used"
 
@@ -296,3 +314,92 @@ class MPIRolesStrategy(ParallelStrategy):
                 " rank."
             )
         return self._local_trainers
+
+
+class RoleLauncher(Launcher):
+    """Runs a Trainer entry point on training ranks and the serve loop on serving ranks."""
+
+    def __init__(self, strategy: MPIRolesStrategy) -> None:
+        self._strategy = strategy
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        return True  # starts no process
+
+    @override
+    def launch(
+        self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any
+    ) -> Any:
+        stage = next(_stages)
+        # Every rank enters together: a serving rank's main thread has finished building its
+        # copy of the model (which draws from the global RNG) before any trainer asks one of
+        # its RPC threads to build a RemoteModule, so seeded runs stay deterministic.
+        self._strategy.world_barrier()
+        if self._strategy.is_server:
+            return self._serve(stage, trainer)
+        error: tuple[type, str] | None = None
+        requeue = False
+        try:
+            return function(*args, **kwargs)
+        except RequeueExit:
+            requeue = True
+            raise
+        except BaseException as e:
+            error = (type(e), f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            self._report(stage, error, requeue)
+
+    @override
+    def kill(self, signum: Any) -> None:
+        """Nothing to kill: mpiexec or srun owns the processes."""
+
+    def _serve(self, stage: int, trainer: Trainer | None) -> None:
+        strategy = self._strategy
+        roles = strategy.roles
+        log.debug(f"{strategy.__class__.__name__}: rank {roles.rank} serves stage {stage}.")
+        strategy.start_rpc()
+        requeue = strategy.requeue
+        if requeue.arm():
+            # The signal handler only sets a flag: look at it now and then, and pass it on.
+            while (reports := stage_board.wait(stage, len(roles.trainers), 0.25)) is None:
+                requeue.relay(roles.trainers)
+        else:
+            reports = stage_board.wait(stage, len(roles.trainers))
+        if trainer is not None:
+            trainer.state.status = TrainerStatus.FINISHED
+        failed = sorted((r for r in reports if r.error is not None), key=lambda r: r.trainer_rank)
+        if failed:
+            exc_type, message = failed[0].error
+            text = (
+                f"DistAutogradStrategy: trainer {failed[0].trainer_rank} (rank"
+                f" {roles.trainers[failed[0].trainer_rank]}) failed, so serving rank"
+                f" {roles.rank} stops too. The trainer's error: {message}"
+            )
+            try:
+                raise exc_type(text)
+            except TypeError:  # an exception type whose constructor takes other arguments
+                raise RuntimeError(text) from None
+        if any(r.requeue for r in reports):
+            log.info(f"rank {roles.rank} stops for the requeue of the Slurm job.")
+            _requeue.exit_for_requeue(None)
+            raise RequeueExit(_requeue.slurm_job_id())
+        log.debug(f"{strategy.__class__.__name__}: rank {roles.rank} served stage {stage}.")
+
+    def _report(self, stage: int, error: tuple[type, str] | None, requeue: bool = False) -> None:
+        strategy = self._strategy
+        roles = strategy.roles
+        if not roles.servers:
+            return
+        # Servers wait inside init_rpc if this trainer failed before starting RPC.
+        strategy.start_rpc()
+        report = StageReport(stage, roles.trainer_rank, error, requeue)
+        try:
+            _internal.call_all([(server, report_stage, (report,)) for server in roles.servers])
+        except Exception as e:  # picklability of an odd exception type: keep the text
+            if error is None:
+                raise
+            log.debug(f"reporting {error} failed ({e}); reporting a RuntimeError instead")
+            report = StageReport(stage, roles.trainer_rank, (RuntimeError, error[1]))
+            _internal.call_all([(server, report_stage, (report,)) for server in roles.servers])

@@ -1,43 +1,16 @@
-"""Which ranks train and which serve, and the launcher that sends serving ranks to their serve loop.
-
-Every rank runs the same script and calls the same ``Trainer`` entry points (``fit``,
-``validate``, ``test``, ``predict``). Lightning hands each entry point to the strategy's
-launcher. On a training rank :class:`RoleLauncher` runs it as usual and, when it ends (or
-fails), reports to every serving rank. On a serving rank it runs no Lightning code at all: it
-joins the RPC agent, answers RPCs (RemoteModule forwards, backward passes, optimizer steps,
-checkpoint reads) until every trainer has reported, then returns ``None``, or raises the error a
-trainer reported.
-"""
+"""Which ranks train and which serve (:func:`resolve_roles`), and the devices they use."""
 
 from __future__ import annotations
 
-import itertools
-import logging
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from lightning.pytorch.trainer.states import TrainerStatus
-from typing_extensions import override
-
-from .._compat import Launcher
-from ..rpc._internal import call_all
-from . import _requeue
-from ._remote import StageReport, report_stage, stage_board
-from ._requeue import RequeueExit
 
 if TYPE_CHECKING:
-    from lightning.pytorch import Trainer
-
-    from ._parallel import MPIRolesStrategy
     from .environment import MPIClusterEnvironment
 
-__all__ = ["Roles", "RoleLauncher", "check_devices", "resolve_roles"]
-
-log = logging.getLogger(__name__)
-
-# Every rank counts its launches (one per Trainer entry point); the count names the stage.
-_stages = itertools.count()
+__all__ = ["Roles", "check_devices", "resolve_roles"]
 
 _LAUNCH_HINT = "`mpiexec -n {n} python -m mpi4py train.py` (or `srun -n {n} --mpi=pmix ...`)"
 
@@ -136,92 +109,3 @@ def check_devices(
             f"You set `num_nodes={num_nodes}`, but mpiexec started ranks on {env.num_nodes}"
             f" node(s). HINT: leave `num_nodes` unset or set `num_nodes={env.num_nodes}`."
         )
-
-
-class RoleLauncher(Launcher):
-    """Runs a Trainer entry point on training ranks and the serve loop on serving ranks."""
-
-    def __init__(self, strategy: MPIRolesStrategy) -> None:
-        self._strategy = strategy
-
-    @property
-    @override
-    def is_interactive_compatible(self) -> bool:
-        return True  # starts no process
-
-    @override
-    def launch(
-        self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any
-    ) -> Any:
-        stage = next(_stages)
-        # Every rank enters together: a serving rank's main thread has finished building its
-        # copy of the model (which draws from the global RNG) before any trainer asks one of
-        # its RPC threads to build a RemoteModule, so seeded runs stay deterministic.
-        self._strategy.world_barrier()
-        if self._strategy.is_server:
-            return self._serve(stage, trainer)
-        error: tuple[type, str] | None = None
-        requeue = False
-        try:
-            return function(*args, **kwargs)
-        except RequeueExit:
-            requeue = True
-            raise
-        except BaseException as e:
-            error = (type(e), f"{type(e).__name__}: {e}")
-            raise
-        finally:
-            self._report(stage, error, requeue)
-
-    @override
-    def kill(self, signum: Any) -> None:
-        """Nothing to kill: mpiexec or srun owns the processes."""
-
-    def _serve(self, stage: int, trainer: Trainer | None) -> None:
-        strategy = self._strategy
-        roles = strategy.roles
-        log.debug(f"{strategy.__class__.__name__}: rank {roles.rank} serves stage {stage}.")
-        strategy.start_rpc()
-        requeue = strategy.requeue
-        if requeue.arm():
-            # The signal handler only sets a flag: look at it now and then, and pass it on.
-            while (reports := stage_board.wait(stage, len(roles.trainers), 0.25)) is None:
-                requeue.relay(roles.trainers)
-        else:
-            reports = stage_board.wait(stage, len(roles.trainers))
-        if trainer is not None:
-            trainer.state.status = TrainerStatus.FINISHED
-        failed = sorted((r for r in reports if r.error is not None), key=lambda r: r.trainer_rank)
-        if failed:
-            exc_type, message = failed[0].error
-            text = (
-                f"DistAutogradStrategy: trainer {failed[0].trainer_rank} (rank"
-                f" {roles.trainers[failed[0].trainer_rank]}) failed, so serving rank"
-                f" {roles.rank} stops too. The trainer's error: {message}"
-            )
-            try:
-                raise exc_type(text)
-            except TypeError:  # an exception type whose constructor takes other arguments
-                raise RuntimeError(text) from None
-        if any(r.requeue for r in reports):
-            log.info(f"rank {roles.rank} stops for the requeue of the Slurm job.")
-            _requeue.exit_for_requeue(None)
-            raise RequeueExit(_requeue.slurm_job_id())
-        log.debug(f"{strategy.__class__.__name__}: rank {roles.rank} served stage {stage}.")
-
-    def _report(self, stage: int, error: tuple[type, str] | None, requeue: bool = False) -> None:
-        strategy = self._strategy
-        roles = strategy.roles
-        if not roles.servers:
-            return
-        # Servers wait inside init_rpc if this trainer failed before starting RPC.
-        strategy.start_rpc()
-        report = StageReport(stage, roles.trainer_rank, error, requeue)
-        try:
-            call_all([(server, report_stage, (report,)) for server in roles.servers])
-        except Exception as e:  # picklability of an odd exception type: keep the text
-            if error is None:
-                raise
-            log.debug(f"reporting {error} failed ({e}); reporting a RuntimeError instead")
-            report = StageReport(stage, roles.trainer_rank, (RuntimeError, error[1]))
-            call_all([(server, report_stage, (report,)) for server in roles.servers])

@@ -6,7 +6,8 @@ among the context's local gradients to ``.grad`` (so Lightning's hooks and the u
 see them), and updates the remote parameters with a
 :class:`~lightning_distgrad.optim.DistributedOptimizer` that mirrors the user's first optimizer
 (its class, and the hyper-parameters of its first param group, pushed whenever they change).
-It also does the remote half of gradient clipping, on the owners of the remote parameters.
+It also clips the step's gradients, local and remote, since it owns the remote gradients and
+can compute their norm across trainers (the precision plugins hand clipping to it).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class DistributedStep:
         self.context_id: int | None = None
         self.loss_scale = 1.0
         self.optimizer: DistributedOptimizer | None = None  # over the remote parameters
+        self._driver: torch.optim.Optimizer | None = None  # the user's, which it mirrors
+        self._collectives: TrainerCollectives | None = None
+        self._servers: tuple[int, ...] = ()
         self._seen: dict[Tensor, Tensor] = {}  # context gradients already added to .grad
         self._pushed: dict[str, Any] | None = None  # hyper-parameters the remote side has
 
@@ -110,17 +114,27 @@ class DistributedStep:
     # --- the remote optimizer ------------------------------------------------------------------
 
     def build_optimizer(
-        self, optimizer: torch.optim.Optimizer, remote_modules: list[tuple[str, RemoteModule]]
+        self,
+        optimizer: torch.optim.Optimizer,
+        remote_modules: list[tuple[str, RemoteModule]],
+        collectives: TrainerCollectives,
+        servers: tuple[int, ...],
     ) -> None:
         """A DistributedOptimizer of ``optimizer``'s class and first param group's settings
-        over the remote modules' parameters."""
+        over the remote modules' parameters (held by ``servers``); ``collectives``: the
+        trainers'."""
         hparams = hyperparameters(optimizer)
         rrefs = [r for _, module in remote_modules for r in module.remote_parameters()]
         self.optimizer = DistributedOptimizer(type(optimizer), rrefs, **hparams)
         self._pushed = copy.deepcopy(hparams)
+        self._driver, self._collectives, self._servers = optimizer, collectives, servers
 
     def drop_optimizer(self) -> None:
-        self.optimizer, self._pushed = None, None
+        self.optimizer, self._pushed, self._driver = None, None, None
+
+    def updates_remote(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` (the user's first) also steps the remote parameters."""
+        return self.optimizer is not None and optimizer is self._driver
 
     def forget_pushed(self) -> None:
         """Push the user's optimizer's values at the next step (a loaded state replaced them)."""
@@ -138,20 +152,52 @@ class DistributedStep:
             self._pushed = copy.deepcopy(hparams)
         self.optimizer.step(self.context_id)
 
-    # --- the remote half of gradient clipping ----------------------------------------------------
+    # --- gradient clipping over local and remote parameters ------------------------------------
 
-    def remote_grad_sq_norm(self, collectives: TrainerCollectives, servers: list[int]) -> float:
+    def clip_by_norm(self, optimizer: Any, local: list[Tensor], max_norm: float) -> float:
+        """Clip ``local`` (``optimizer``'s parameters on this trainer) and the remote gradients
+        together by their global 2-norm; returns the norm.
+
+        The norm covers the (averaged) local gradients and the remote gradients of every
+        trainer's context, summed per parameter: the update this step applies. Every trainer
+        gets the same norm and scales its own gradients (local, and remote on their owners).
+        """
+        local_sq = math.fsum(_remote.sq_norm(p.grad) for p in local if p.grad is not None)
+        remote = self._clips_remote(optimizer)
+        total = math.sqrt(local_sq + (self._remote_grad_sq_norm() if remote else 0.0))
+        coef = min(max_norm / (total + 1e-6), 1.0)
+        if coef < 1.0:
+            with torch.no_grad():
+                for p in local:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+            if remote:
+                self._on_remote_owners(_remote.scale_grads, coef)
+        return total
+
+    def clip_by_value(self, optimizer: Any, local: list[Tensor], clip_value: float) -> None:
+        """Clamp ``local`` gradients and this trainer's remote ones to ``[-clip_value,
+        clip_value]``; the remote ones carry the step's loss scale, so their bound does too."""
+        torch.nn.utils.clip_grad_value_(local, clip_value)
+        if self._clips_remote(optimizer):
+            self._on_remote_owners(_remote.clamp_grads, clip_value * self.loss_scale)
+
+    def _clips_remote(self, optimizer: Any) -> bool:
+        return self.updates_remote(optimizer) and self.context_id is not None
+
+    def _remote_grad_sq_norm(self) -> float:
         """The squared norm of the summed remote gradients of every trainer's context (a
         collective over the trainers)."""
+        collectives = self._collectives
         context_ids = collectives.allgather_object(self.context_id)
         total = None
         if collectives.rank == 0:
             total = math.fsum(
-                call_all((server, _remote.grad_sq_norm, (context_ids,)) for server in servers)
+                call_all((server, _remote.grad_sq_norm, (context_ids,)) for server in self._servers)
             )
         return collectives.broadcast(total, 0)
 
-    def on_remote_owners(self, func: Callable, *args: Any) -> None:
+    def _on_remote_owners(self, func: Callable, *args: Any) -> None:
         """Run ``func(context_id, *args)`` on every owner of remote parameters."""
         owners = {o.owner().id for o in self.optimizer.remote_optimizers}
         call_all((owner, func, (self.context_id, *args)) for owner in sorted(owners))

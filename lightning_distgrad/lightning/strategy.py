@@ -4,15 +4,15 @@ Some ranks *train* (they run Lightning's loops on their share of the data), othe
 (parameter servers that hold :class:`~lightning_distgrad.nn.RemoteModule`\ s and answer RPCs);
 the class docstring says how a step runs and how a script is written. Its parts, split as
 Lightning splits a strategy: ``_parallel`` (ranks, roles, the RPC agent and Lightning's
-collectives), ``_roles`` (the launcher), ``environment``, ``_precision`` (with clipping across
-ranks), ``_step`` (one optimisation step), ``_checkpoint`` and ``_model``.
+collectives, the launcher), ``_roles``, ``environment``, ``_precision`` (which hands clipping to
+the step), ``_step`` (one optimisation step, its clipping across ranks), ``_checkpoint`` and
+``_model``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import signal
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
@@ -44,15 +44,8 @@ from ._model import (
     warn_backward_override,
 )
 from ._parallel import MPIRolesStrategy
-from ._precision import (
-    DistGradClipping,
-    DistGradPrecision,
-    adopt_precision,
-    clip_by_norm,
-    clip_by_value,
-)
+from ._precision import DistGradClipping, DistGradPrecision, adopt_precision
 from ._step import DistributedStep
-from .environment import MPIClusterEnvironment
 
 __all__ = ["DistAutogradStrategy", "REMOTE_OPTIMIZER_STATES"]
 
@@ -117,6 +110,7 @@ class DistAutogradStrategy(MPIRolesStrategy):
         sync_remote_updates (bool): with several trainers, wait after each step until every
             trainer's remote update is applied, so the next forward pass reads the same remote
             parameters everywhere (default True). False lets trainers run ahead (Hogwild-style).
+        **options: the settings below, by keyword.
         rpc_timeout (float): default timeout of the RPCs, in seconds (0: none). Default 60.
         num_worker_threads (int): threads that run incoming RPCs on each rank. Default 16.
         device_maps (dict, optional): ``{worker_name: {local_device: remote_device}}`` for
@@ -188,34 +182,13 @@ class DistAutogradStrategy(MPIRolesStrategy):
         *,
         replicate_local_parameters: bool = True,
         sync_remote_updates: bool = True,
-        rpc_timeout: float = 60.0,
-        num_worker_threads: int = 16,
-        device_maps: dict | None = None,
-        auto_requeue: bool = True,
-        requeue_signal: signal.Signals = signal.SIGUSR1,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: MPIClusterEnvironment | None = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Precision | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            num_servers,
-            server_ranks,
-            rpc_timeout=rpc_timeout,
-            num_worker_threads=num_worker_threads,
-            device_maps=device_maps,
-            auto_requeue=auto_requeue,
-            requeue_signal=requeue_signal,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        # First: the precision plugin, adopted while the base class is built, clips through it.
+        self._step = DistributedStep()  # the current optimisation step, the remote optimizer
+        super().__init__(num_servers, server_ranks, **options)
         self.replicate_local_parameters = replicate_local_parameters
         self.sync_remote_updates = sync_remote_updates
-        self._step = DistributedStep()  # the current optimisation step, the remote optimizer
         self._sync_blocked = False
         # The model's distributed parts (set up in `setup`).
         self._remote_modules: list[tuple[str, RemoteModule]] = []
@@ -236,13 +209,13 @@ class DistAutogradStrategy(MPIRolesStrategy):
     def precision_plugin(self) -> Precision:
         plugin = ParallelStrategy.precision_plugin.fget(self)
         if not isinstance(plugin, DistGradClipping):  # none set: Lightning's default, adopted
-            plugin = DistGradPrecision(self)
+            plugin = DistGradPrecision(self._step)
             ParallelStrategy.precision_plugin.fset(self, plugin)
         return plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        ParallelStrategy.precision_plugin.fset(self, adopt_precision(plugin, self))
+        ParallelStrategy.precision_plugin.fset(self, adopt_precision(plugin, self._step))
 
     @override
     def connect(self, model: Any) -> None:
@@ -285,7 +258,9 @@ class DistAutogradStrategy(MPIRolesStrategy):
                 " the RemoteModules' parameters are not trained."
             )
             return
-        self._step.build_optimizer(self.optimizers[0], self._remote_modules)
+        self._step.build_optimizer(
+            self.optimizers[0], self._remote_modules, self._collectives, self.roles.servers
+        )
 
     @override
     def teardown(self) -> None:
@@ -365,7 +340,7 @@ class DistAutogradStrategy(MPIRolesStrategy):
             after_closure(self.precision_plugin, model, optimizer)  # hooks and clipping
             optimizer.step(**kwargs)  # the local parameters, from `.grad`
             barrier = False
-            if self._updates_remote(optimizer):
+            if self._step.updates_remote(optimizer):
                 self._step.step_remote(optimizer)
                 barrier = self.sync_remote_updates and self.num_trainers > 1
             if self.requeue.armed:
@@ -376,30 +351,6 @@ class DistAutogradStrategy(MPIRolesStrategy):
             if model.automatic_optimization:
                 self._step.close()
         return closure_result
-
-    def _updates_remote(self, optimizer: Any) -> bool:
-        """Whether ``optimizer`` (the first of ``configure_optimizers``) also steps the remote
-        parameters, through the strategy's DistributedOptimizer."""
-        return (
-            self._step.optimizer is not None
-            and bool(self.optimizers)
-            and optimizer is self.optimizers[0]
-        )
-
-    # --- Gradient clipping over local and remote parameters ----------------------------------
-
-    def clip_gradients_by_norm(self, optimizer: Any, max_norm: float) -> float:
-        """Clip local and remote gradients together by their global 2-norm; returns the norm.
-
-        The norm covers the (averaged) local gradients and the remote gradients of every
-        trainer's context, summed per parameter: the update this step applies. Every trainer
-        gets the same norm and scales its own gradients (local, and remote on their owners).
-        """
-        return clip_by_norm(self, optimizer, max_norm)
-
-    def clip_gradients_by_value(self, optimizer: Any, clip_value: float) -> None:
-        """Clamp local and (this trainer's) remote gradients to ``[-clip_value, clip_value]``."""
-        clip_by_value(self, optimizer, clip_value)
 
     # --- Checkpoints: remote parameters and remote optimizer state ---------------------------
 
