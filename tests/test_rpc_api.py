@@ -260,13 +260,19 @@ def test_nested_rpc_from_inside_remote_function(rpc_world):
     assert torch.equal(rpc.rpc_sync(rpc_world.peer(), nested_remote, (third, x)), x * 2)
 
 
+def test_a_short_request_runs_where_it_is_delivered(rpc_world):
+    """The peer's main thread waits in a barrier, polling nothing: its progress thread
+    delivers the request and, the function being short, runs it there (no hand-off)."""
+    if rpc_world.rank == 0:
+        assert rpc.rpc_sync(rpc_world.peer(), serving_thread_name) == "distgrad-progress"
+
+
 def test_a_request_may_block_until_a_later_request_releases_it(rpc_world):
-    """Requests run on the worker pool (the peer's main thread waits in a barrier,
-    polling nothing): while the first blocks, the progress thread still receives the
-    second, which releases it."""
+    """The first request blocks where it runs (on the progress thread that delivered it,
+    a function's first request runs there): another thread takes over the progress role,
+    receives the second request, which releases the first."""
     if rpc_world.rank == 0:
         peer = rpc_world.peer()
-        assert rpc.rpc_sync(peer, serving_thread_name).startswith("distgrad-worker")
         blocked = rpc.rpc_async(peer, wait_for_release, ("first",))
         assert wait_until(lambda: rpc.rpc_sync(peer, is_waiting, ("first",)))
         rpc.rpc_sync(peer, release, ("first",))

@@ -4,8 +4,9 @@ the threads that handle them, one-way messages, timeouts.
 Frames are routed by their ``Kind`` (see ``_transport.frames``):
 
 * REQUEST: ``(func, args, kwargs)``; the callee always answers with one
-  RESPONSE (a result or a remote error). It runs on the worker pool; the
-  agent's :class:`~.serving.Serving` runs and answers it.
+  RESPONSE (a result or a remote error). The agent's :class:`~.serving.Serving`
+  runs and answers it: on the progress thread that delivers it when its function
+  runs short without waiting, else on the worker pool.
 * QUICK_REQUEST: a torch operator on small tensors; it cannot issue RPCs or
   block, so it runs right where its frame is handed over.
 * RESPONSE: ``(ok, value)`` for one call id (no payload when the value is one
@@ -268,7 +269,7 @@ class Agent:
         if kind is Kind.RESPONSE:
             self._on_response(source, frame, tensors)
         elif kind is Kind.REQUEST:
-            self._submit(lambda: self.serving.run_request(source, frame, tensors))
+            self.serving.take_request(source, frame, tensors, self._submit)
         elif kind is Kind.JOIN:
             self.termination.on_join(source)
             self.termination.processed()

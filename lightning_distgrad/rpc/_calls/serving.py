@@ -5,6 +5,10 @@ with grad mode on; a QUICK_REQUEST operator runs with no context at all. Every
 request gets exactly one RESPONSE: its result, or the error it raised, or why
 its result could not be sent. An ``@rpc.async_function`` answers when the future
 it returned completes.
+
+Where a request runs: an operator right where its frame is delivered; a REQUEST there too
+when the progress thread delivers it and its function is one that runs short without
+waiting (see ``inlining``), else on the worker pool, as are PROFILED_REQUESTs.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,12 +32,38 @@ from .errors import (
     print_user_error,
     remote_error,
 )
+from .inlining import BUDGET_S, Inlining
 from .payload import UnpicklingContext, decode_payload, encode_payload
 from .remote_events import Recorder, recording_for_caller, split_profiled_request_body
 from .spans import profiling_key, recording_rpcs, run_recorded
 from .worker_info import WorkerInfo
 
 log = logging.getLogger("lightning_distgrad.rpc")
+
+
+def _decode(payload: bytes, tensors: list, context: UnpicklingContext | None) -> tuple:
+    """A request's ``(function, args, kwargs)``; the errors of unpickling them are the callee's
+    (``not_importable``), those of the function its caller's."""
+    try:
+        return decode_payload(payload, tensors, context)
+    except (ImportError, AttributeError) as e:
+        raise not_importable(e) from e
+
+
+def _call_function(func: Callable, args: tuple, kwargs: dict, caller: WorkerInfo, me: WorkerInfo):
+    """``func(*args, **kwargs)`` for a request of ``caller``'s on worker ``me``; under an
+    active torch profiler recorded as ``rpc_serve#<function>(<caller> -> <me>)``."""
+    name = functools.partial(_serve_span, func, caller, me)
+    try:
+        return run_recorded(name, func, *args, **kwargs)
+    except Exception as e:
+        if not _is_operator(func):  # torch's callee prints Python functions' errors only
+            print_user_error(e, me)
+        elif isinstance(e, TypeError):  # arguments no schema takes: torch's error for them
+            raise RuntimeError(
+                f"Overloaded torch operator invoked from Python failed to match any schema: {e}"
+            ) from e
+        raise
 
 
 def _decode_and_call(
@@ -42,30 +73,15 @@ def _decode_and_call(
     me: WorkerInfo,
     confirmed: Callable[[list], None] | None = None,
 ) -> tuple[Callable, Any]:
-    """Run a request of ``caller``'s on worker ``me``; returns (function, result). Under an
-    active torch profiler the run is recorded as ``rpc_serve#<function>(<caller> -> <me>)``.
-    ``confirmed(futures)``: waits until the owners confirmed the RRefs that users handed on
-    in the request, before the run (None for a QUICK_REQUEST, an operator run by the thread
-    that delivers frames, which must not wait for one)."""
-    # Only the unpickling is wrapped: the function's own errors reach the caller as raised.
+    """Decode a request and run its function; returns (function, result). ``confirmed``:
+    waits until the owners confirmed the RRefs that users handed on in the request, before
+    the run (None for a QUICK_REQUEST, an operator run by the thread that delivers frames,
+    which must not wait for one)."""
     context = UnpicklingContext() if confirmed is not None else None
-    try:
-        func, args, kwargs = decode_payload(payload, tensors, context)
-    except (ImportError, AttributeError) as e:
-        raise not_importable(e) from e
+    func, args, kwargs = _decode(payload, tensors, context)
     if context is not None and context.confirmations:
         confirmed(context.confirmations)
-    name = functools.partial(_serve_span, func, caller, me)
-    try:
-        return func, run_recorded(name, func, *args, **kwargs)
-    except Exception as e:
-        if not _is_operator(func):  # torch's callee prints Python functions' errors only
-            print_user_error(e, me)
-        elif isinstance(e, TypeError):  # arguments no schema takes: torch's error for them
-            raise RuntimeError(
-                f"Overloaded torch operator invoked from Python failed to match any schema: {e}"
-            ) from e
-        raise
+    return func, _call_function(func, args, kwargs, caller, me)
 
 
 def _is_operator(func: Any) -> bool:
@@ -111,6 +127,7 @@ class Serving:
         self._send_one_way = send_one_way
         self._count_processed = count_processed
         self._wait = wait
+        self._inlining = Inlining()
 
     def _confirmed(self, confirmations: list) -> None:
         """Wait (at most the RPC timeout) until the owners confirmed the user RRefs a
@@ -183,14 +200,86 @@ class Serving:
         except BaseException as e:
             self.reply_error(source, frame.call_id, e)
             return
+        self._answer(source, frame.call_id, func, result, ctx_id)
+
+    def take_request(
+        self, source: int, frame: Frame, tensors: list, submit: Callable[[Callable], None]
+    ) -> None:
+        """A REQUEST, on the thread that delivered it: run right here when the transport
+        allows it (``Transport.begin_inline``) and its function may run inline (see
+        ``inlining``), else on the pool (``submit``). Decoding is part of the inline run."""
+        if server_profiler.ranges or not self.transport.begin_inline():
+            submit(functools.partial(self.run_request, source, frame, tensors))
+            return
+        func, start = None, time.perf_counter()
+        try:
+            try:
+                hooks = autograd_hooks.get()
+                ctx_id = hooks.context_of(frame.body)
+                tensors = hooks.incoming(frame.body, source, tensors)
+                context = UnpicklingContext()
+                func, args, kwargs = hooks.call_in(
+                    ctx_id, autograd_hooks.with_grad, _decode, frame.payload, tensors, context
+                )
+            except BaseException as e:
+                self.reply_error(source, frame.call_id, e)
+                return
+            run = functools.partial(
+                self._run_decoded, source, frame.call_id, ctx_id, func, args, kwargs
+            )
+            if context.confirmations or is_async_function(func) or not self._inlining.allows(func):
+                func = None  # not run here
+                submit(functools.partial(run, context.confirmations))
+            else:
+                run(())
+        finally:
+            kept = self.transport.end_inline()
+            if not torch.is_grad_enabled():  # the run turned it off: later frames need it on
+                torch.set_grad_enabled(True)
+            if func is not None:
+                self._inlining.ran(func, kept and time.perf_counter() - start <= BUDGET_S)
+
+    def _run_decoded(
+        self,
+        source: int,
+        call_id: int,
+        ctx_id: int | None,
+        func: Callable,
+        args: tuple,
+        kwargs: dict,
+        confirmations: list,
+    ) -> None:
+        """Run a decoded REQUEST (once its RRefs are confirmed) and answer it."""
+        try:
+            if confirmations:
+                self._confirmed(confirmations)
+            hooks = autograd_hooks.get()
+            result = hooks.call_in(
+                ctx_id,
+                autograd_hooks.with_grad,
+                _call_function,
+                func,
+                args,
+                kwargs,
+                self.infos[source],
+                self.info,
+            )
+        except BaseException as e:
+            self.reply_error(source, call_id, e)
+            return
+        self._answer(source, call_id, func, result, ctx_id)
+
+    def _answer(self, source: int, call_id: int, func: Callable, result: Any, ctx_id) -> None:
+        """Answer a request whose ``func`` returned ``result``: an async function's result is
+        a future, answered once it completes."""
         if not is_async_function(func):
-            self._reply(source, frame.call_id, True, result, ctx_id)
+            self._reply(source, call_id, True, result, ctx_id)
         # CFuture: ``then()`` and ``collect_all()`` return the C base class, which async
         # functions commonly return.
         elif isinstance(result, CFuture):
-            result.add_done_callback(lambda f: self._reply_future(source, frame.call_id, f, ctx_id))
+            result.add_done_callback(lambda f: self._reply_future(source, call_id, f, ctx_id))
         else:
-            self.reply_error(source, frame.call_id, async_wrong_type_error(result))
+            self.reply_error(source, call_id, async_wrong_type_error(result))
 
     def run_operator(self, source: int, frame: Frame, tensors: list) -> None:
         """A torch operator with no autograd context: :meth:`run_request` minus the

@@ -101,24 +101,30 @@ class Waiting:
             answered = functools.partial(future_done, future)
         if answered():
             return True
+        me = threading.get_ident()
+        if self._transport.is_progress_thread(me):
+            # A request run on the progress thread waits: another thread polls meanwhile.
+            self._transport.step_out()
         if key is not None and key not in self._waiters:
             with self.waiting_for(key):
                 return self.wait(future, timeout, key, answered)
         waiter = self._waiters.get(key) if key is not None else None
-        if waiter is None or waiter.ident != threading.get_ident():
-            waiter = Waiter(threading.get_ident())  # nothing is handed to this one
+        if waiter is not None and waiter.ident != me:
+            waiter = None  # that key's work goes to the thread that asked for it
         deadline = time.monotonic() + timeout if timeout > 0 else math.inf
 
         def done() -> bool:
-            waiter.run_handed_over()
+            if waiter is not None:
+                waiter.run_handed_over()
             return answered() or time.monotonic() >= deadline
 
         # The common wait (no limit, nothing handed over) checks only the future.
-        plain = deadline == math.inf and key is None
+        plain = deadline == math.inf and waiter is None
         if not self._transport.drive_until(answered if plain else done):  # another polls
-            future.add_done_callback(lambda _: waiter.wake())
+            sleeper = waiter or Waiter(me)
+            future.add_done_callback(lambda _: sleeper.wake())
             while not done():
-                waiter.sleep(deadline - time.monotonic())
+                sleeper.sleep(deadline - time.monotonic())
         return answered()
 
 

@@ -31,15 +31,13 @@ pushed tensors, ``coll`` carries the shutdown collectives.
 from __future__ import annotations
 
 import collections
-import contextlib
 import enum
-import heapq
 import logging
 import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -51,8 +49,10 @@ from .direct_writes import PushSend
 from .doorbell import ArmedBackoff, node_doorbell
 from .fail_stop import abort_mpi_job
 from .frames import Frame, FrameLimits, MalformedFrame
+from .progress import ProgressRole, default_modes, in_default_modes
 from .receiving import Receiver
 from .sending import Sender
+from .timers import Timers
 
 log = logging.getLogger("lightning_distgrad.rpc")
 
@@ -79,28 +79,6 @@ class State(enum.Enum):
     RUNNING = "running"
     STOPPING = "stopping"  # flushing queued sends, then the progress thread exits
     STOPPED = "stopped"
-
-
-def _in_default_modes() -> bool:
-    """Whether this thread's torch modes are those of a fresh thread."""
-    return (
-        torch.is_grad_enabled()
-        and not torch.is_inference_mode_enabled()
-        and not torch.is_autocast_enabled("cpu")
-        and not torch.is_autocast_enabled("cuda")
-    )
-
-
-@contextlib.contextmanager
-def _default_modes() -> Iterator[None]:
-    """Grad mode on, inference mode and autocast off, as on a fresh thread."""
-    with contextlib.ExitStack() as modes:
-        modes.enter_context(torch.inference_mode(False))
-        modes.enter_context(torch.enable_grad())
-        modes.enter_context(torch.autocast("cpu", enabled=False))
-        if torch.cuda.is_available():
-            modes.enter_context(torch.autocast("cuda", enabled=False))
-        yield
 
 
 #: Communicators of stopped transports that may still receive stale messages (see
@@ -165,17 +143,14 @@ class Transport:
         self._deliverer: int | None = None  # ident of the thread handling _ready's items
         # Calls queued without the lock (call_soon); a deque's append is atomic.
         self._soon: collections.deque = collections.deque()
-        self._timers: list[tuple[float, int, Callable[[], None]]] = []
-        self._timer_seq = 0
+        self._timers = Timers()
         self._last_traffic = time.monotonic()
         self._stop_deadline = float("inf")
-        self._thread = threading.Thread(
-            target=self._progress_thread, daemon=True, name="distgrad-progress"
-        )
+        self._role = ProgressRole(self._lock, self._poll_loop, self._on_handoff, self._failed)
 
     def start(self) -> None:
         """Start the progress thread (once the owner is ready for ``on_frame``)."""
-        self._thread.start()
+        self._role.start()
 
     # -- called from any thread -------------------------------------------------
 
@@ -219,10 +194,10 @@ class Transport:
                 return False
             self._poller = Poller.WAITER
             self._disarm_hand_back()
-        if not _in_default_modes():
+        if not in_default_modes():
             # Frames handled here (requests, received tensors, recorded autograd) belong
             # to other threads and ranks: not to this caller's no_grad or autocast.
-            with _default_modes():
+            with default_modes():
                 self._drive(done)
         else:
             self._drive(done)
@@ -252,7 +227,25 @@ class Transport:
             ]
 
     def is_progress_thread(self, ident: int) -> bool:
-        return ident == self._thread.ident
+        """Whether thread ``ident`` holds the progress role (see ``progress``)."""
+        return ident == self._role.holder
+
+    def begin_inline(self) -> bool:
+        """True if this thread may run the handler it delivers right here: it is the progress
+        thread, polling, not in such a run already. Then :meth:`end_inline` must follow; if
+        the run is to wait for anything, :meth:`step_out` first."""
+        return self._poller is Poller.PROGRESS_THREAD and self._role.begin_inline()
+
+    def end_inline(self) -> bool:
+        """The run begun by :meth:`begin_inline` ended; False if it lost the progress role
+        meanwhile (it waited, or ran so long that the standby took over)."""
+        return self._role.end_inline()
+
+    def step_out(self) -> bool:
+        """Before a run begun by :meth:`begin_inline` waits: another thread polls from now
+        on, and this one finishes the run as a worker. False if this thread is in no such
+        run."""
+        return self._role.step_out()
 
     def handlers_running(self) -> int:
         with self._lock:
@@ -266,12 +259,10 @@ class Transport:
     def call_later(self, delay: float, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the polling thread, outside the lock, after ``delay`` s."""
         with self._lock:
-            self._timer_seq += 1
-            entry = (time.monotonic() + delay, self._timer_seq, fn)
-            heapq.heappush(self._timers, entry)
+            earliest = self._timers.add(time.monotonic() + delay, fn)
             # A napping progress thread must wake for a timer earlier than its nap's end;
             # a waiter that polls fires timers itself.
-            ring = self._timers[0] is entry and self._poller is Poller.PROGRESS_THREAD
+            ring = earliest and self._poller is Poller.PROGRESS_THREAD
         if ring:
             self._bell.ring_self()
 
@@ -309,7 +300,7 @@ class Transport:
             self._state = State.STOPPING
             self._stop_deadline = time.monotonic() + flush_timeout
         self._bell.ring_self()
-        self._thread.join()
+        self._role.join()
 
     def free(self, drained: bool = True) -> None:
         """Release the communicators; ``drained``: no frame can still be in flight to or
@@ -330,26 +321,33 @@ class Transport:
 
     # -- polling ----------------------------------------------------------------
 
-    def _progress_thread(self) -> None:
-        try:
-            self._poll_loop()
-        except BaseException:
-            # Only a fault of MPI or of this module gets here (frames' own errors are
-            # caught): a dead poller would leave every rank waiting, so fail-stop.
-            traceback.print_exc()
-            abort_mpi_job(
-                f"lightning_distgrad: RPC progress thread failed on rank "
-                f"{self.rank}; aborting the MPI job.\n"
-            )
+    def _failed(self, error: BaseException) -> None:
+        # Only a fault of MPI or of this module gets here (frames' own errors are
+        # caught): a dead poller would leave every rank waiting, so fail-stop.
+        traceback.print_exception(error)
+        abort_mpi_job(
+            f"lightning_distgrad: RPC progress thread failed on rank "
+            f"{self.rank}; aborting the MPI job.\n"
+        )
+
+    def _on_handoff(self) -> None:
+        """Under the lock: the progress role moved, and the delivery turn with it."""
+        self._deliverer = None
 
     def _poll_loop(self) -> None:
+        """The progress thread's loop: until the transport stops, or this thread no longer
+        holds the progress role."""
+        me = threading.get_ident()
         backoff = ArmedBackoff(self._bell, self._poll_and_run, QUIET_NAP_S)
         while True:
             with self._lock:
+                if self._role.holder != me:
+                    break
                 if self._state is State.STOPPING and (
                     not self._sender.sends or time.monotonic() > self._stop_deadline
                 ):
                     self._state = State.STOPPED
+                    self._role.mark_stopped()
                     break
                 stepped_aside = self._poller is Poller.WAITER
                 if not stepped_aside:
@@ -394,7 +392,7 @@ class Transport:
                 or self._receiver.incoming
                 or self._ready
                 or self._soon
-                or (self._timers and self._timers[0][0] <= time.monotonic())
+                or self._timers.due(time.monotonic())
                 or self._receiver.frame_waiting()
             )
         if pending:
@@ -423,7 +421,7 @@ class Transport:
                     or (self._sender.sends and idle_for < TRANSFER_HOT_S)
                 )
             )
-            limit = self._until_next_timer_locked(now)
+            limit = self._timers.until_next(now)
         if hot:
             os.sched_yield()
         elif backoff.sleep(idle_for, limit):
@@ -450,32 +448,32 @@ class Transport:
             now = time.monotonic()
             if progressed:
                 self._last_traffic = now
-            while self._timers and self._timers[0][0] <= now:
-                self._ready.append(heapq.heappop(self._timers)[2])
+            self._ready.extend(self._timers.take_due(now))
             writes = self._sender.take_writes()
             answered = self._receiver.answered
             if answered:
                 self._receiver.answered = []
-            items = None
+            turn = None
             if self._ready and self._deliverer in (None, me):
                 outer = self._deliverer is None
                 self._deliverer = me
-                items = list(self._ready)
-                self._ready.clear()
+                turn = self._role.handoffs
         for peer in answered:
             self._bell.ring(peer)  # it waits for our clear-to-send
         if writes:
             self._write(writes)
-        if items is None:
-            return progressed
-        while items:
-            for item in items:
-                self._run_item(item)
+        while turn is not None:
             with self._lock:
-                items = list(self._ready)
-                self._ready.clear()
-                if not items and outer:
-                    self._deliverer = None
+                # The progress role moved away from a run of this thread: the turn went
+                # with it, and the remaining items to the new holder.
+                if self._role.handoffs != turn:
+                    break
+                if not self._ready:
+                    if outer:
+                        self._deliverer = None
+                    break
+                item = self._ready.popleft()
+            self._run_item(item)
         return progressed
 
     def _write(self, pushes: list[PushSend]) -> None:
@@ -527,7 +525,4 @@ class Transport:
 
     def _until_next_timer(self) -> float:
         with self._lock:
-            return self._until_next_timer_locked(time.monotonic())
-
-    def _until_next_timer_locked(self, now: float) -> float:
-        return max(0.0, self._timers[0][0] - now) if self._timers else float("inf")
+            return self._timers.until_next(time.monotonic())
