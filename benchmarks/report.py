@@ -1,12 +1,13 @@
-"""All of ``results/*.json`` in one table, one plot and the README's results section."""
+"""All of ``results/*.json`` as charts (``charts.py``), tables and the README's results section."""
 
 import argparse
 import json
 import os
 import re
-from collections import Counter
+from pathlib import Path
 
-from _harness import RESULTS, mpi_name, plot, table
+from _harness import RESULTS, fmt, table
+from charts import CHARTS, describe, order, setup
 
 ORDER = [
     "rpc_latency",
@@ -20,87 +21,95 @@ ORDER = [
     "cuda_rpc",
 ]
 README = RESULTS.parents[1] / "README.md"
+#: The charts the README shows (each benchmark's own plot is ``results/<name>.png``).
+CHARTS_DIR = RESULTS / "charts"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
-def load() -> tuple[list[dict], list[dict]]:
-    """The result documents, and their rows (with ``figure`` and ``mpi``, the column) in
-    figure order."""
+def load() -> list[dict]:
+    """The result documents, in figure order."""
     docs = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
-    rows, cpus = [], usual_cpus(docs)
-    for d in docs:
-        mpi = column(d["env"], cpus, d.get("gpu"))
-        rows += [r | {"figure": d["name"], "mpi": mpi, "i": i} for i, r in enumerate(d["rows"])]
-    rows.sort(key=lambda r: (ORDER.index(r["figure"]) if r["figure"] in ORDER else 99, r["i"]))
-    return docs, rows
+    return sorted(docs, key=lambda d: ORDER.index(d["name"]) if d["name"] in ORDER else 99)
 
 
-def usual_cpus(docs: list[dict]) -> int:
-    return Counter(d["env"]["cpus"] for d in docs).most_common(1)[0][0]
+def draw(docs: list[dict], folder: Path = CHARTS_DIR) -> list[tuple[str, str, Path]]:
+    """Each chart that ``docs`` have results for, as ``folder/<name>.png``: its question,
+    README sentence and file."""
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    drawn = []
+    for chart in CHARTS:
+        fig = chart.figure(docs)
+        if fig is not None:
+            path = folder / f"{chart.name}.png"
+            fig.savefig(path, dpi=90)
+            plt.close(fig)
+            drawn.append((chart.question, chart.sentence, path))
+    return drawn
 
 
-def column(env: dict, cpus: int, gpu: str | None = None) -> str:
-    """The table column of a result's ``env``: its MPI, and its nodes and CPUs where they
-    differ from the usual (one node, ``cpus``), and its GPU (cuda_rpc.py's) if any."""
-    mpi = mpi_name(env["mpi_library"])
-    mpi += f", {env['nodes']} nodes" if env["nodes"] > 1 else ""
-    mpi += f", {env['cpus']} CPUs" if env["cpus"] != cpus else ""
-    return mpi + (f", {gpu}" if gpu else "")
-
-
-def label(r: dict) -> str:
-    return f"{r['figure']}: {r['metric']} [{r['mpi']}]"
-
-
-def machine(docs: list[dict]) -> str:
-    cpus = usual_cpus(docs)
-    usual = [d for d in docs if d["env"]["cpus"] == cpus and not d.get("gpu")]
-    envs = [d["env"] for d in usual or docs]
-    mpis = " and ".join(sorted({mpi_name(e["mpi_library"]) for e in envs}))
-    quick = " (--quick runs)" if any(d["env"]["quick"] for d in docs) else ""
-    e = envs[0]
-    text = f"{e['host']}, {cpus} CPUs, torch {e['torch']}, {mpis}, {e['date'][:10]}{quick}"
-    others = {column(d["env"], cpus, d.get("gpu")): d["env"] for d in docs if d not in usual}
-    return text + "".join(f"; {c}: torch {o['torch']}" for c, o in others.items())
-
-
-def markdown(rows: list[dict], docs: list[dict], image: str) -> str:
-    """One line per figure with a target or a TensorPipe anchor; one column per MPI."""
-    mpis = sorted({r["mpi"] for r in rows}, key=lambda m: ("nodes" in m, m))
-    cells: dict[tuple, dict] = {}
-    for r in rows:
-        if r["target"] or r["anchor_name"] == "TensorPipe":
-            verdict = {None: "", True: " met", False: " missed"}[r["ok"]]
-            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3g}{verdict}"
+def tables(docs: list[dict]) -> str:
+    """One table per machine, MPI and torch: every figure measured there, ours beside its
+    anchor, and a target column where a figure has one."""
+    groups: dict[tuple, list[dict]] = {}
+    for d in sorted(docs, key=order):
+        s = setup(d)
+        groups.setdefault((s["mpi"], s["machine"], s["torch"]), []).append(d)
+    out = []
+    for where, group in groups.items():
+        dates = describe(group)[0].rsplit(", ", 1)[1]
+        rows = [r | {"figure": d["name"]} for d in group for r in d["rows"]]
+        targets = any(r["target"] for r in rows)
+        head = "| figure | ours | anchor | ours / anchor |" + " target |" * targets
+        lines = [head, "|---" * (4 + targets) + "|"]
+        for r in rows:
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3g}"
             ratio += " (wrong result)" if r.get("correct") is False else ""
-            key = (f"{r['figure']}: {r['metric']}", r["anchor_name"], r["target"] or "")
-            cells.setdefault(key, {})[r["mpi"]] = ratio
-    lines = [
-        "| figure | ours / | target | " + " | ".join(mpis) + " |",
-        "|---" * (3 + len(mpis)) + "|",
+            anchor = f"{fmt(r['anchor'], r['unit'])} ({r['anchor_name']})"
+            cells = [f"{r['figure']}: {r['metric']}", fmt(r["ours"], r["unit"]), anchor, ratio]
+            if targets:
+                verdict = {None: "", True: " met", False: " missed"}[r["ok"]]
+                cells.append(f"{r['target']}{verdict}" if r["target"] else "")
+            lines.append("| " + " | ".join(cells) + " |")
+        title = "; ".join([*where, dates])
+        out += [f"<details><summary>{title}</summary>", "", *lines, "", "</details>", ""]
+    return "\n".join(out)
+
+
+def markdown(docs: list[dict], drawn: list[tuple[str, str, Path]]) -> str:
+    """The README's results section: each chart under its question and sentence, then the
+    tables."""
+    out = []
+    for question, sentence, path in drawn:
+        image = os.path.relpath(path, README.resolve().parent)
+        out += [f"**{question}** {sentence}", "", f"![{question}]({image})", ""]
+    out += ["Every figure, with its anchor and target, by machine, MPI and torch:", ""]
+    out += [
+        tables(docs),
+        "Generated by `python benchmarks/report.py` from benchmarks/results/*.json.",
     ]
-    for (metric, anchor, target), by_mpi in cells.items():
-        ratios = " | ".join(by_mpi.get(m, "") for m in mpis)
-        lines.append(f"| {metric} | {anchor} | {target} | {ratios} |")
-    note = "Generated by python benchmarks/report.py from benchmarks/results/*.json on"
-    return "\n".join([*lines, "", f"{note} {machine(docs)}.", "", f"![ours / anchor]({image})"])
+    return "\n".join(out)
 
 
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help only
-    docs, rows = load()
+    docs = load()
     if not docs:
         raise SystemExit(f"no results in {RESULTS}: run the benchmark scripts first")
-    print(table(rows, label))
-    png = RESULTS / "summary.png"
-    plot(rows, png, f"ours / anchor on {machine(docs)}", label)
+    print(table([r | {"figure": d["name"]} for d in docs for r in d["rows"]], label))
+    drawn = draw(docs)
     text = README.read_text() if README.exists() else ""
+    written = ", ".join(p.name for *_, p in drawn)
     if START not in text or END not in text:
-        raise SystemExit(f"wrote {png}; {README} has no {START} ... {END} section")
-    image = os.path.relpath(png, README.resolve().parent)
-    section = f"{START}\n{markdown(rows, docs, image)}\n{END}"
+        raise SystemExit(f"wrote {written}; {README} has no {START} ... {END} section")
+    section = f"{START}\n{markdown(docs, drawn)}\n{END}"
     README.write_text(re.sub(f"{START}.*?{END}", lambda _: section, text, flags=re.S))
-    print(f"wrote {png} and the results section of {README}")
+    print(f"wrote {written} in {CHARTS_DIR} and the results section of {README}")
+
+
+def label(r: dict) -> str:
+    return f"{r['figure']}: {r['metric']}"
 
 
 if __name__ == "__main__":
