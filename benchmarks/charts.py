@@ -58,9 +58,13 @@ def describe(docs: list[dict]) -> tuple[str, list[str]]:
         for s in setups
     ]
     shared = [common[k] for k in ("machine", "mpi", "torch") if k in common]
-    dates = sorted({s["date"] for s in setups})
-    shared.append(dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}")
-    return "measured on " + ", ".join(shared), labels
+    return "measured on " + ", ".join([*shared, days(docs)]), labels
+
+
+def days(docs: list[dict]) -> str:
+    """The day ``docs`` were measured on, or the first and the last."""
+    dates = sorted({setup(d)["date"] for d in docs})
+    return dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
 
 
 def order(doc: dict) -> tuple:

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from _harness import RESULTS, fmt, table
-from charts import CHARTS, describe, order, setup
+from charts import CHARTS, days, order, setup
 
 ORDER = [
     "rpc_latency",
@@ -58,7 +58,6 @@ def tables(docs: list[dict]) -> str:
         groups.setdefault((s["mpi"], s["machine"], s["torch"]), []).append(d)
     out = []
     for where, group in groups.items():
-        dates = describe(group)[0].rsplit(", ", 1)[1]
         rows = [r | {"figure": d["name"]} for d in group for r in d["rows"]]
         targets = any(r["target"] for r in rows)
         head = "| figure | ours | anchor | ours / anchor |" + " target |" * targets
@@ -72,7 +71,7 @@ def tables(docs: list[dict]) -> str:
                 verdict = {None: "", True: " met", False: " missed"}[r["ok"]]
                 cells.append(f"{r['target']}{verdict}" if r["target"] else "")
             lines.append("| " + " | ".join(cells) + " |")
-        title = "; ".join([*where, dates])
+        title = "; ".join([*where, days(group)])
         out += [f"<details><summary>{title}</summary>", "", *lines, "", "</details>", ""]
     return "\n".join(out)
 
@@ -92,6 +91,10 @@ def markdown(docs: list[dict], drawn: list[tuple[str, str, Path]]) -> str:
     return "\n".join(out)
 
 
+def label(r: dict) -> str:
+    return f"{r['figure']}: {r['metric']}"
+
+
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help only
     docs = load()
@@ -106,10 +109,6 @@ def main() -> None:
     section = f"{START}\n{markdown(docs, drawn)}\n{END}"
     README.write_text(re.sub(f"{START}.*?{END}", lambda _: section, text, flags=re.S))
     print(f"wrote {written} in {CHARTS_DIR} and the results section of {README}")
-
-
-def label(r: dict) -> str:
-    return f"{r['figure']}: {r['metric']}"
 
 
 if __name__ == "__main__":

@@ -140,10 +140,11 @@ def report(
     trainers = [r for r in range(strategy.num_trainers + len(servers)) if r not in servers]
     where = "replicated on " if len(trainers) > 1 else "on "
     where += f"{rank_list(trainers)} (trainer{'s' * (len(trainers) > 1)})"
+    epochs, steps = trainer.current_epoch, trainer.global_step
     print(
         f"trained {remote} held by {rank_list(servers[:1])} (server) and {local} {where} for"
-        f" {trainer.current_epoch} epochs ({trainer.global_step} steps) in {seconds:.1f} s;"
-        f" loss: first {printer.first:.4f} -> last {printer.last:.4f}",
+        f" {epochs} epoch{'s' * (epochs != 1)} ({steps} step{'s' * (steps != 1)}) in"
+        f" {seconds:.1f} s; loss: first {printer.first:.4f} -> last {printer.last:.4f}",
         flush=True,
     )
     return printer.first, printer.last
