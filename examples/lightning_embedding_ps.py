@@ -13,21 +13,25 @@ steps the dense part locally and the table on the server.
 
 The data: each sample is a bag of token ids; its target is a fixed linear function of the mean
 of a hidden "true" embedding of those ids, so the loss can go to (almost) zero. Flags:
-``--max-steps N`` stops after N optimizer steps, ``--fast`` uses a small dataset.
+``--max-steps N`` stops after N optimizer steps, ``--fast`` uses a small dataset. Rank 0 shows
+the progress bar and ends with a line saying what was trained on which ranks, for how long,
+and the loss.
 """
 
 from __future__ import annotations
 
+import time
+
 import lightning as L
 import torch
-from _lightning_utils import lightning_parser, loaders, make_trainer
+from _lightning_utils import lightning_parser, loaders, make_trainer, report
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import lightning_distgrad  # noqa: F401  (registers strategy="distgrad")
 from lightning_distgrad import DistAutogradStrategy
 
-VOCAB, DIM, BAG = 200, 16, 4
+VOCAB, DIM, BAG, HIDDEN = 200, 16, 4, 32
 
 
 class SeededEmbeddingBag(nn.EmbeddingBag):
@@ -57,7 +61,7 @@ class EmbeddingPSModel(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.emb: nn.Module | None = None  # created in configure_model, once RPC runs
-        self.dense = nn.Sequential(nn.Linear(DIM, 32), nn.Tanh(), nn.Linear(32, 1))
+        self.dense = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 1))
 
     def make_remote(self) -> None:
         strategy = self.trainer.strategy
@@ -98,8 +102,15 @@ def main(argv: list[str] | None = None) -> tuple[float, float] | None:
     train, val = loaders(make_dataset, samples, args.batch_size)
     trainer, printer = make_trainer(DistAutogradStrategy(num_servers=1), args)
     # On the serving rank fit() answers the trainers' RPCs until they finish, then returns.
+    start = time.perf_counter()
     trainer.fit(EmbeddingPSModel(lr=args.lr), train, val)
-    return printer.summary() if trainer.is_global_zero else None
+    return report(
+        trainer,
+        printer,
+        time.perf_counter() - start,
+        f"an EmbeddingBag({VOCAB}, {DIM})",
+        f"an MLP {DIM}-{HIDDEN}-1",
+    )
 
 
 if __name__ == "__main__":

@@ -18,9 +18,11 @@ Flags: ``--max-steps N`` stops after N optimizer steps, ``--fast`` uses a small 
 
 from __future__ import annotations
 
+import time
+
 import lightning as L
 import torch
-from _lightning_utils import lightning_parser, loaders, make_trainer
+from _lightning_utils import lightning_parser, loaders, make_trainer, report
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -115,8 +117,15 @@ def main(argv: list[str] | None = None) -> tuple[float, float] | None:
     train, val = loaders(make_dataset, samples, args.batch_size)
     trainer, printer = make_trainer(DistAutogradStrategy(num_servers=1), args)
     # On the serving rank fit() answers the trainer's RPCs until it finishes, then returns.
+    start = time.perf_counter()
     trainer.fit(PipelineModel(lr=args.lr), train, val)
-    return printer.summary() if trainer.is_global_zero else None
+    return report(
+        trainer,
+        printer,
+        time.perf_counter() - start,
+        f"the second half (MLP {HIDDEN}-{HIDDEN}-{OUT})",
+        f"the first half (MLP {IN}-{HIDDEN})",
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -70,3 +71,56 @@ def test_readme_lightning_quick_start_trains_with_a_server_rank(tmp_path):
     final = [float(x) for x in re.findall(r"^final ([0-9.e-]+)$", job.output, re.M)]
     # Predicting 0 scores about 0.27 on these targets, their mean about 0.02.
     assert len(final) == 1 and final[0] < 0.1, job.describe()
+
+
+def readme_install_commands() -> list[str]:
+    """The README's install block as ``.ci/run`` runs it: set-up with the main job, then the
+    tests (``.ci/readme_command`` reads them)."""
+    script = REPO / ".ci" / "readme_command"
+    run = [
+        subprocess.run([sys.executable, script, n], capture_output=True, text=True, check=True)
+        for n in ("1", "2")
+    ]
+    return [r.stdout.strip() for r in run]
+
+
+def test_readme_install_is_set_up_with_the_main_job_then_the_tests():
+    setup, tests = readme_install_commands()
+    install, main_job = setup.split(" && .venv/bin/mpiexec ")
+    # A named torch: pip never brings PyPI's newest (a CUDA build of several GB) instead.
+    assert re.fullmatch(
+        r"python3 -m venv \.venv && \.venv/bin/pip install torch==[0-9.]+"
+        r' -e "\.\[mpich,test,bench\]"',
+        install,
+    ), setup
+    ranks, script = re.fullmatch(
+        r"-n (\d+) \.venv/bin/python -m mpi4py (examples/\w+\.py)", main_job
+    ).groups()
+    # The example's own docstring says how to run it, with the same number of ranks.
+    assert f"mpiexec -n {ranks} python -m mpi4py {script}" in (REPO / script).read_text()
+    assert tests == ". .venv/bin/activate && bash tests/run_all.sh"
+
+
+@pytest.mark.skipif(LAUNCHER is None, reason="needs an MPI launcher (mpiexec) beside python")
+def test_readme_main_job_trains_and_ends_with_what_it_trained_where():
+    ranks, script = re.search(
+        r"-n (\d+) \S+ -m mpi4py (\S+)", readme_install_commands()[0]
+    ).groups()
+    argv = [sys.executable, "-m", "mpi4py", str(REPO / script), "--fast", "--epochs", "2"]
+    job = mpi_job(int(ranks), argv, timeout_s=240, cwd=REPO)
+    assert job.code == 0, job.describe()
+    lines = [line for line in job.output.replace("\r", "\n").splitlines() if line.strip()]
+    last = re.fullmatch(
+        r"trained an EmbeddingBag\(200, 16\) held by rank 2 \(server\) and an MLP 16-32-1"
+        r" replicated on ranks 0-1 \(trainers\) for 2 epochs \((\d+) steps\) in [0-9.]+ s;"
+        r" loss: first ([0-9.]+) -> last ([0-9.]+)",
+        lines[-1],
+    )
+    assert last, job.describe()
+    steps, first, final = int(last[1]), float(last[2]), float(last[3])
+    # --fast: 512 samples, 32 a batch on each of 2 trainers: 8 steps an epoch.
+    assert steps == 16 and final < first, lines[-1]
+    # A progress bar; only rank 0 speaks (Lightning's banner once); no warnings.
+    assert "Epoch 1: 100%" in job.output and "Traceback" not in job.output, job.describe()
+    assert job.output.count("GPU available:") == 1, job.describe()
+    assert not [line for line in lines if "warn" in line.lower()], job.describe()
