@@ -78,6 +78,19 @@ def serving_thread_name():
     return threading.current_thread().name
 
 
+def where_requests_ran():
+    """The counts of ``_get_debug_info`` that say where this worker's requests ran."""
+    info = rpc.api._get_debug_info()
+    return {k: info[k] for k in ("requests_run_inline", "requests_run_on_pool")} | {
+        "handoffs": info["progress_handoffs"]
+    }
+
+
+def thread_name_after_rpc_back(to, x):
+    """The thread that ran this request, and the answer of a nested RPC it waited for."""
+    return threading.current_thread().name, rpc.rpc_sync(to, torch.add, (x, 1))
+
+
 @rpc.functions.async_execution
 def async_add(to, x, y):
     return rpc.rpc_async(to, torch.add, (x, y)).then(lambda fut: fut.wait() + 1)
@@ -267,16 +280,42 @@ def test_a_short_request_runs_where_it_is_delivered(rpc_world):
         assert rpc.rpc_sync(rpc_world.peer(), serving_thread_name) == "distgrad-progress"
 
 
+def test_a_request_that_waits_hands_the_receiving_over_and_its_next_ones_run_on_the_pool(
+    rpc_world,
+):
+    """A request waiting for a nested RPC first leaves the progress role to another thread
+    of its worker (which receives the nested call's answer); the same function's next two
+    requests run on the worker pool, the one after that on the progress thread again."""
+    if rpc_world.rank == 0:
+        peer, x = rpc_world.peer(), torch.ones(2)
+        before = rpc.rpc_sync(peer, where_requests_ran)
+        names = []
+        for _ in range(4):
+            name, answer = rpc.rpc_sync(peer, thread_name_after_rpc_back, (rpc_world.name, x))
+            assert torch.equal(answer, x + 1)
+            names.append(name)
+        after = rpc.rpc_sync(peer, where_requests_ran)
+        assert names[0] == names[3] == "distgrad-progress", names
+        assert names[1].startswith("distgrad-worker") and names[2].startswith("distgrad-worker")
+        # The first and the fourth each handed the role over once.
+        assert after["handoffs"] - before["handoffs"] == 2, (before, after)
+        assert after["requests_run_on_pool"] - before["requests_run_on_pool"] == 2
+
+
 def test_a_request_may_block_until_a_later_request_releases_it(rpc_world):
     """The first request blocks where it runs (on the progress thread that delivered it,
-    a function's first request runs there): another thread takes over the progress role,
-    receives the second request, which releases the first."""
+    a function's first request runs there), not on an RPC: after a few milliseconds another
+    thread of its worker takes over the progress role, receives the second request, which
+    releases the first."""
     if rpc_world.rank == 0:
         peer = rpc_world.peer()
+        before = rpc.rpc_sync(peer, where_requests_ran)
         blocked = rpc.rpc_async(peer, wait_for_release, ("first",))
         assert wait_until(lambda: rpc.rpc_sync(peer, is_waiting, ("first",)))
         rpc.rpc_sync(peer, release, ("first",))
         assert blocked.wait() is True, "the releasing request was not served in time"
+        after = rpc.rpc_sync(peer, where_requests_ran)
+        assert after["handoffs"] - before["handoffs"] == 1, (before, after)
 
 
 def test_nested_rpc_chain_through_every_worker(rpc_world):

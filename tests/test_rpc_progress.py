@@ -299,8 +299,7 @@ def test_a_nap_never_runs_past_the_next_timer():
 
     class RecordingNaps(LocalBell):
         def wait(self, timeout: float, *args) -> None:
-            timers = transport._timers
-            left = timers[0][0] - time.monotonic() if timers else float("inf")
+            left = transport._timers.until_next(time.monotonic())
             naps.append((timeout, left))
             super().wait(timeout)
 

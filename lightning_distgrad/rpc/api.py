@@ -293,7 +293,10 @@ def _get_debug_info() -> dict[str, Any]:
     written straight into its memory (same node, permitted), and ``cuda_ipc``: whether
     CUDA tensors to it travel over CUDA IPC (same node, both use device maps, probe
     passed) rather than staged through host memory; ``handler_queue_depth``
-    counts requests waiting for a worker thread.
+    counts requests waiting for a worker thread. ``requests_run_inline`` and
+    ``requests_run_on_pool`` count where this worker's requests ran (a short one runs on
+    the thread that received it), ``progress_handoffs`` how often a request that waited or
+    ran long handed the receiving of messages to another thread.
 
     Example::
         >>> # xdoctest: +SKIP

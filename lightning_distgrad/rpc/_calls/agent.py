@@ -430,7 +430,8 @@ class Agent:
         return len(self._pending)
 
     def debug_info(self) -> dict[str, Any]:
-        """Pending calls, request handlers, and per-peer traffic (see ``rpc._get_debug_info``)."""
+        """Pending calls, request handlers, where requests ran, and per-peer traffic (see
+        ``rpc._get_debug_info``)."""
         peers = {
             info.name: counts
             for info, counts in zip(self.infos, self.transport.traffic(), strict=True)
@@ -439,6 +440,9 @@ class Agent:
             "num_pending_requests": len(self._pending),
             "num_handlers_running": self.transport.handlers_running() - self._queued,
             "handler_queue_depth": self._queued,
+            "requests_run_inline": self.serving.runs["inline"],
+            "requests_run_on_pool": self.serving.runs["pool"],
+            "progress_handoffs": self.transport.progress_handoffs(),
             "peers": peers,
         }
 

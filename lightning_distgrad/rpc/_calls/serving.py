@@ -128,6 +128,8 @@ class Serving:
         self._count_processed = count_processed
         self._wait = wait
         self._inlining = Inlining()
+        # REQUESTs run where they were delivered, and on the pool (see rpc._get_debug_info).
+        self.runs = {"inline": 0, "pool": 0}
 
     def _confirmed(self, confirmations: list) -> None:
         """Wait (at most the RPC timeout) until the owners confirmed the user RRefs a
@@ -200,59 +202,54 @@ class Serving:
         except BaseException as e:
             self.reply_error(source, frame.call_id, e)
             return
-        self._answer(source, frame.call_id, func, result, ctx_id)
+        self._answer(source, frame.call_id, func, (True, result), ctx_id)
 
     def take_request(
         self, source: int, frame: Frame, tensors: list, submit: Callable[[Callable], None]
     ) -> None:
         """A REQUEST, on the thread that delivered it: run right here when the transport
         allows it (``Transport.begin_inline``) and its function may run inline (see
-        ``inlining``), else on the pool (``submit``). Decoding is part of the inline run."""
+        ``inlining``), else on the pool (``submit``). Decoding is part of the inline run;
+        the answer is sent once the run's outcome is recorded, so a next request of the
+        same function finds it."""
         if server_profiler.ranges or not self.transport.begin_inline():
+            self.runs["pool"] += 1
             submit(functools.partial(self.run_request, source, frame, tensors))
             return
-        func, start = None, time.perf_counter()
+        func, ctx_id, outcome, start = None, None, None, time.perf_counter()
         try:
-            try:
-                hooks = autograd_hooks.get()
-                ctx_id = hooks.context_of(frame.body)
-                tensors = hooks.incoming(frame.body, source, tensors)
-                context = UnpicklingContext()
-                func, args, kwargs = hooks.call_in(
-                    ctx_id, autograd_hooks.with_grad, _decode, frame.payload, tensors, context
-                )
-            except BaseException as e:
-                self.reply_error(source, frame.call_id, e)
-                return
-            run = functools.partial(
-                self._run_decoded, source, frame.call_id, ctx_id, func, args, kwargs
+            hooks = autograd_hooks.get()
+            ctx_id = hooks.context_of(frame.body)
+            tensors = hooks.incoming(frame.body, source, tensors)
+            context = UnpicklingContext()
+            func, args, kwargs = hooks.call_in(
+                ctx_id, autograd_hooks.with_grad, _decode, frame.payload, tensors, context
             )
+            call = (source, ctx_id, func, args, kwargs)
             if context.confirmations or is_async_function(func) or not self._inlining.allows(func):
+                self.runs["pool"] += 1
+                run = functools.partial(self._run_decoded, frame.call_id, context.confirmations)
+                submit(functools.partial(run, *call))
                 func = None  # not run here
-                submit(functools.partial(run, context.confirmations))
             else:
-                run(())
+                self.runs["inline"] += 1
+                outcome = self._call_decoded(*call)
+        except BaseException as e:  # decoding failed
+            outcome = (False, e)
         finally:
             kept = self.transport.end_inline()
             if not torch.is_grad_enabled():  # the run turned it off: later frames need it on
                 torch.set_grad_enabled(True)
             if func is not None:
                 self._inlining.ran(func, kept and time.perf_counter() - start <= BUDGET_S)
+        if outcome is not None:
+            self._answer(source, frame.call_id, func, outcome, ctx_id)
 
-    def _run_decoded(
-        self,
-        source: int,
-        call_id: int,
-        ctx_id: int | None,
-        func: Callable,
-        args: tuple,
-        kwargs: dict,
-        confirmations: list,
-    ) -> None:
-        """Run a decoded REQUEST (once its RRefs are confirmed) and answer it."""
+    def _call_decoded(
+        self, source: int, ctx_id: int | None, func: Callable, args: tuple, kwargs: dict
+    ) -> tuple[bool, Any]:
+        """``(True, result)`` of a decoded REQUEST's function, or ``(False, error)``."""
         try:
-            if confirmations:
-                self._confirmed(confirmations)
             hooks = autograd_hooks.get()
             result = hooks.call_in(
                 ctx_id,
@@ -265,14 +262,38 @@ class Serving:
                 self.info,
             )
         except BaseException as e:
+            return False, e
+        return True, result
+
+    def _run_decoded(
+        self,
+        call_id: int,
+        confirmations: list,
+        source: int,
+        ctx_id: int | None,
+        func: Callable,
+        args: tuple,
+        kwargs: dict,
+    ) -> None:
+        """On the pool: run a decoded REQUEST once its RRefs are confirmed; answer it."""
+        try:
+            if confirmations:
+                self._confirmed(confirmations)
+        except BaseException as e:
             self.reply_error(source, call_id, e)
             return
-        self._answer(source, call_id, func, result, ctx_id)
+        outcome = self._call_decoded(source, ctx_id, func, args, kwargs)
+        self._answer(source, call_id, func, outcome, ctx_id)
 
-    def _answer(self, source: int, call_id: int, func: Callable, result: Any, ctx_id) -> None:
-        """Answer a request whose ``func`` returned ``result``: an async function's result is
+    def _answer(
+        self, source: int, call_id: int, func: Callable | None, outcome: tuple, ctx_id
+    ) -> None:
+        """Answer a request with its ``(ok, value)`` outcome: an async function's value is
         a future, answered once it completes."""
-        if not is_async_function(func):
+        ok, result = outcome
+        if not ok:
+            self.reply_error(source, call_id, result)
+        elif not is_async_function(func):
             self._reply(source, call_id, True, result, ctx_id)
         # CFuture: ``then()`` and ``collect_all()`` return the C base class, which async
         # functions commonly return.

@@ -230,6 +230,10 @@ class Transport:
         """Whether thread ``ident`` holds the progress role (see ``progress``)."""
         return ident == self._role.holder
 
+    def progress_handoffs(self) -> int:
+        """How often the progress role moved to another thread (see ``progress``)."""
+        return self._role.handoffs
+
     def begin_inline(self) -> bool:
         """True if this thread may run the handler it delivers right here: it is the progress
         thread, polling, not in such a run already. Then :meth:`end_inline` must follow; if

@@ -6,8 +6,10 @@ so that serving it costs no hand-off to another thread. A request may block, tho
 RPC, a lock, a sleep), and a blocked holder would stall every message of its rank. So the role
 can move: the holder *steps out* of it before an inline run waits for anything
 (:meth:`ProgressRole.step_out`), and a *standby* thread takes it over at once; the standby also
-watches inline runs and takes the role from one that has run for :data:`WATCH_S`. The old
-holder finishes its run as a plain worker, then becomes the standby (or ends, if there is one).
+watches inline runs and takes the role from one that has run for :data:`WATCH_S` and is not
+running now (it sleeps, waits for a lock or I/O; one that the machine only preempted keeps the
+role). The old holder finishes its run as a plain worker, then becomes the standby (or ends,
+if there is one).
 
 The standby costs nothing while no inline run happens: it sleeps until one starts after a quiet
 spell, then looks every :data:`WATCH_S` until :data:`QUIET_S` pass without one.
@@ -53,6 +55,7 @@ class ProgressRole:
         self._on_failure = on_failure
         # Guarded by the lock:
         self.holder: int | None = None  # ident of the thread that holds the role
+        self._holder_tid = 0  # its native id
         self.handoffs = 0  # times the role moved
         self._standby: int | None = None  # ident of the standby thread, if any
         self._inline_since: float | None = None  # start of the holder's inline run
@@ -88,7 +91,7 @@ class ProgressRole:
         try:
             with self._lock:
                 if holder:
-                    self.holder = me
+                    self.holder, self._holder_tid = me, threading.get_native_id()
                 else:
                     self._standby = me
             while True:
@@ -117,19 +120,22 @@ class ProgressRole:
                     return False
                 now = time.monotonic()
                 since = self._inline_since
-                if self.holder is None or (since is not None and now - since >= WATCH_S):
+                stuck = since is not None and now - since >= WATCH_S
+                if self.holder is None or (stuck and not _running(self._holder_tid)):
                     self._take(me)
                     return True
                 if now - self._last_inline > QUIET_S:
                     self._quiet = True
 
     def _take(self, me: int) -> None:
-        """Under the lock: the role moves to thread ``me``."""
-        self.holder = me
+        """Under the lock: thread ``me`` takes the role (left by a holder that stepped out,
+        or taken from one whose inline run is stuck)."""
+        if self.holder is not None:
+            self.handoffs += 1
+            self._on_handoff()
+        self.holder, self._holder_tid = me, threading.get_native_id()
         self._standby = None
         self._inline_since = None
-        self.handoffs += 1
-        self._on_handoff()
 
     # -- on the holder -----------------------------------------------------------------
 
@@ -175,6 +181,17 @@ class ProgressRole:
                 self._spawn(holder=False)
         self._wake.set()
         return True
+
+
+def _running(tid: int) -> bool:
+    """Whether thread ``tid`` of this process runs or waits only for a core (Linux: its state
+    in /proc is R), rather than sleeping or waiting for a lock or I/O."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # no /proc: take it as blocked, so the role moves
+        return False
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"R"
 
 
 def in_default_modes() -> bool:
