@@ -64,8 +64,10 @@ from ._credit import (  # noqa: F401  (re-exported)
     split_credit,
 )
 from ._graph import is_leaf_node
+from ._leaves import LeafGradients
 from ._messages import CreditReturn, Gradients, decode_gradients, encode_gradients
-from ._pass import Pass, accumulate_leaves, native_grad
+from ._pass import Pass, native_grad
+from ._wrappers import check_no_sharded_modules
 
 _container: ContextContainer | None = None
 _pass_ids = itertools.count()
@@ -214,6 +216,7 @@ def _local_backward(
     leaves = _leaf_nodes([e.node for e in edges])
     if not leaves:
         return False
+    check_no_sharded_modules()
     try:
         grads = native_grad(
             roots,
@@ -223,7 +226,11 @@ def _local_backward(
         )
     except Exception as e:
         raise _wrap_error(container().worker_id, e) from None
-    accumulate_leaves(ctx, [(n, g) for n, g in zip(leaves, grads, strict=True) if g is not None])
+    handed = LeafGradients(ctx)
+    try:
+        handed.add(list(zip(leaves, grads, strict=True)))
+    finally:
+        handed.close()
     return True
 
 
