@@ -186,6 +186,8 @@ def backward(
                     pass
             if p.error is not None:
                 raise p.error
+            # Its DDP parameters through DDP's reducer, now that this thread polls no more.
+            p.leaves.finish()
             _check_all_sends_used(context_id, latest)
     finally:
         _end_pass(ctx, p)
@@ -227,10 +229,8 @@ def _local_backward(
     except Exception as e:
         raise _wrap_error(container().worker_id, e) from None
     handed = LeafGradients(ctx)
-    try:
-        handed.add(list(zip(leaves, grads, strict=True)))
-    finally:
-        handed.close()
+    handed.add(list(zip(leaves, grads, strict=True)))
+    handed.finish()
     return True
 
 
@@ -467,7 +467,9 @@ def deliver_and_ship(p: Pass, credit: Credit, deliver: Callable, *args: Any) -> 
     makes, sharing ``credit``; an error goes back to the root with the credit not shipped.
 
     A worker other than the root ends its part of the pass once that part is complete or
-    failed, before its credit goes back (the root's backward returns after that).
+    failed, before its credit goes back (the root's backward returns after that). Its DDP
+    parameters then go through DDP's reducer (``LeafGradients.finish``) on a thread of their
+    own: the reducer waits for its replicas, whose passes may need the thread running this.
     """
     me = container().worker_id
     outbox = Outbox(p, credit)
@@ -479,8 +481,28 @@ def deliver_and_ship(p: Pass, credit: Credit, deliver: Callable, *args: Any) -> 
         outbox.fail(_wrap_error(me, e).with_traceback(e.__traceback__))
         return
     if p.pass_id[0] != me and p.complete():
+        if p.leaves.pending:
+            outbox.send_early(messages)
+            name = "lightning_distgrad DDP reduction"
+            threading.Thread(target=_finish_part, args=(p, outbox), name=name, daemon=True).start()
+            return
         _end_pass(p.ctx, p)
     outbox.finish(messages)
+
+
+def _finish_part(p: Pass, outbox: Outbox) -> None:
+    """This worker's complete part of a pass: its DDP parameters through DDP's reducer, then
+    the credit kept back to the root."""
+    error = None
+    try:
+        p.leaves.finish()
+    except Exception as e:
+        error = _wrap_error(container().worker_id, e).with_traceback(e.__traceback__)
+    _end_pass(p.ctx, p)
+    if error is None:
+        outbox.finish([])
+    else:
+        outbox.fail(error)
 
 
 def num_backward_passes() -> int:

@@ -7,19 +7,27 @@ dist_engine.cpp). DDP's reducer is such a C++ post-hook: with that context curre
 the context's gradient over DDP's process group once every bucket of its parameters is in.
 
 A leaf here gets the same treatment: its gradient goes to the context and its Python post-hooks
-run. The one C++ post-hook torch code installs on leaves, DDP's, cannot be seen or called from
-Python, so a parameter of a DDP module (:mod:`._wrappers`) goes through its real AccumulateGrad
-node instead, in one native backward call for the DDP parameters of a delivery: its ``.grad`` is
-set to its gradient in the context so far, and the node adds this pass's gradient and runs its
-pre- and post-hooks. The reducer copies ``.grad`` into its buckets, allreduces each full bucket,
-and, at the end of the native call that completes the last one (its finalize is a
-``queue_callback``), writes the averages back to ``.grad``. When the pass ends on this worker,
-each such ``.grad`` goes to the context and the parameter gets its own ``.grad`` back: ``.grad``
-ends as torch's distributed autograd leaves it, untouched.
+run. The one C++ post-hook torch code installs on leaves, DDP's,
+cannot be seen or called from Python, so the parameters of a DDP module (:mod:`._wrappers`) go
+through their real AccumulateGrad nodes instead, all in one native backward call when the pass
+ends on this worker (:meth:`LeafGradients.finish`): the gradients of all the module's parameters
+move from the context to their ``.grad``, each node runs its pre-hooks, adds this pass's gradient
+and runs its post-hooks, and the reducer copies ``.grad`` into its buckets, allreduces them, and,
+at the end of that call (its finalize is a ``queue_callback``), writes the averages to the
+``.grad`` of every parameter used on some rank, as in a local backward pass. The ``.grad`` go
+back to the context and each parameter gets its own ``.grad`` back: it ends as torch's
+distributed autograd leaves it, untouched. (torch's own engine fails an internal assertion where
+DDP writes a parameter that has no gradient in the context, as with
+``find_unused_parameters=True`` and a parameter unused on some rank; here DDP's contract holds.)
+
+Why at the end, not as the parameters' gradients arrive (torch overlaps the allreduces with the
+rest of the backward pass): the reducer's finalize waits for the other replicas' allreduces, and a
+delivery may run on the thread that polls MPI for this worker, which the replicas' passes need.
 
 What cannot be honoured raises: post-accumulate-grad hooks (they run when AccumulateGrad writes
 ``.grad``, which torch's distributed engine never does, so torch skips them silently), and DDP's
-``static_graph`` and delayed allreduce, which rely on the local backward running as one call.
+``static_graph`` and delayed allreduce, which rely on the local backward being one native call
+that writes ``.grad``.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._compat import node_post_hooks, post_accumulate_grad_hooks, tensor_hooks
 from ._context import DistAutogradContext
-from ._wrappers import reducer_owners
+from ._wrappers import reduced_parameters, reducer_owners
 
 
 class _RunAccumulateGrad(torch.autograd.Function):
@@ -75,10 +83,10 @@ def _refuse_unreducible(ddp: DistributedDataParallel, delayed: bool) -> None:
         raise RuntimeError(
             "DistributedDataParallel(static_graph=True) cannot average gradients of a "
             "distributed backward pass: it schedules its first allreduce for the end of the "
-            "local backward call that reaches its output, and a distributed backward pass runs "
-            "the local graph in several calls, the parameters' gradients in a later one. "
-            "Construct DDP with static_graph=False (the default); find_unused_parameters=True "
-            "covers graphs that change between iterations."
+            "native backward call that reaches its output, and a distributed backward pass "
+            "runs the local graph in several such calls and gives DDP the parameters' "
+            "gradients in a later one. Construct DDP with static_graph=False (the default); "
+            "find_unused_parameters=True covers graphs that change between iterations."
         )
 
 
@@ -90,20 +98,20 @@ class LeafGradients:
         >>> # xdoctest: +SKIP
         >>> leaves = LeafGradients(ctx)
         >>> leaves.add([(weight_node, grad), (bias_node, None)])  # None: reached, no gradient
-        >>> leaves.close()  # when the pass ends here: DDP-averaged gradients into ctx
+        >>> leaves.finish()  # the pass ended here: DDP-averaged gradients into ctx
     """
 
     def __init__(self, ctx: DistAutogradContext):
         self.ctx = ctx
-        # id(leaf) -> (leaf, its own .grad) for leaves whose .grad holds their gradient
-        # until close().
-        self.own_grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # (AccumulateGrad node, gradient or None, its DDP module) for the parameters of DDP
+        # modules, until finish().
+        self.reduced: list[tuple[Any, torch.Tensor | None, DistributedDataParallel]] = []
 
     def add(self, leaf_grads: list[tuple[Any, torch.Tensor | None]]) -> None:
         """Hand over ``(AccumulateGrad node, gradient or None)`` pairs, each leaf once a pass;
         None: the pass reached the leaf but gave it no gradient."""
         owners = reducer_owners()
-        plain, reduced = [], []
+        plain = []
         for node, grad in leaf_grads:
             leaf = node.variable
             if grad is not None:
@@ -111,13 +119,11 @@ class LeafGradients:
             owner = owners.get(id(leaf)) if owners else None
             if owner is not None:
                 _refuse_unreducible(*owner)
-                reduced.append((node, grad))
+                self.reduced.append((node, grad, owner[0]))
             elif grad is not None:
                 plain.append((node, grad))
         if plain:
             self._accumulate(plain)
-        if reduced:
-            self._through_accumulate_grad(reduced)
 
     def _accumulate(self, leaf_grads: list[tuple[Any, torch.Tensor]]) -> None:
         """Add to the context, then run the nodes' post-hooks as torch's engine does: with no
@@ -127,15 +133,35 @@ class LeafGradients:
             for hook in node_post_hooks(node).values():
                 hook((), (grad,))
 
-    def _through_accumulate_grad(self, leaf_grads: list[tuple[Any, torch.Tensor | None]]) -> None:
-        """Run the leaves' AccumulateGrad nodes in one native call (see the module's doc)."""
+    @property
+    def pending(self) -> bool:
+        """Whether :meth:`finish` has DDP parameters to run (it may then wait for peers)."""
+        return bool(self.reduced)
+
+    def finish(self) -> None:
+        """Run the DDP parameters' AccumulateGrad nodes (see the module's doc); call once the
+        pass is over on this worker, on a thread that does not poll MPI."""
+        reduced, self.reduced = self.reduced, []
+        if not reduced:
+            return
+        ddps = list({id(ddp): ddp for _, _, ddp in reduced}.values())
+        params = list({id(p): p for ddp in ddps for p in reduced_parameters(ddp)}.values())
+        own = [p.grad for p in params]
+        try:
+            for param, grad in zip(params, self.ctx.take_gradients(params), strict=True):
+                param.grad = grad
+            self._run_accumulate_grad([(node, grad) for node, grad, _ in reduced])
+        finally:
+            self.ctx.set_gradients([(p, p.grad) for p in params])
+            for param, grad in zip(params, own, strict=True):
+                param.grad = grad
+
+    @staticmethod
+    def _run_accumulate_grad(leaf_grads: list[tuple[Any, torch.Tensor | None]]) -> None:
+        """One native call that gives the leaves' AccumulateGrad nodes their gradients."""
         leaves = [node.variable for node, _ in leaf_grads]
-        so_far = self.ctx.take_gradients(leaves)
         held = []
-        for leaf, grad in zip(leaves, so_far, strict=True):
-            if id(leaf) not in self.own_grads:
-                self.own_grads[id(leaf)] = (leaf, leaf.grad)
-            leaf.grad = grad
+        for leaf in leaves:
             hooks = tensor_hooks(leaf)
             if hooks:  # they ran on this gradient already
                 held.append((hooks, dict(hooks)))
@@ -147,13 +173,3 @@ class LeafGradients:
         finally:
             for hooks, saved in held:
                 hooks.update(saved)
-
-    def close(self) -> None:
-        """The pass ended here: the gradients held in ``.grad`` go to the context, and each
-        leaf gets its own ``.grad`` back."""
-        pairs = []
-        for leaf, own in self.own_grads.values():
-            pairs.append((leaf, leaf.grad))
-            leaf.grad = own
-        self.own_grads.clear()
-        self.ctx.set_gradients(pairs)

@@ -442,8 +442,6 @@ class Pass:
         for node, hooks in self.held_hooks.items():
             tensor_hooks(node.variable).update(hooks)
         self.held_hooks.clear()
-        with self.lock:
-            self.leaves.close()
 
     # -- credit (root only) -----------------------------------------------------------
 

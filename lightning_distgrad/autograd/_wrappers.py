@@ -5,8 +5,9 @@ Python cannot see on the node (a node shows its Python hooks only). A module reg
 (``torch.nn.modules.module.register_module_module_registration_hook``, run whenever a module
 assigns a submodule: DDP and FSDP assign the module they wrap in their constructors) notes every
 wrapper built once this module is imported; those built before are found once, at import, among
-the garbage collector's objects, and only when a default process group exists (no wrapper can
-exist without one). Nothing here costs a backward pass anything while no wrapper lives.
+the garbage collector's objects when a default process group exists (the scan costs tens of ms;
+without a default group, a wrapper needs a process group made by hand, before the import, to go
+unnoticed). Nothing here costs a backward pass anything while no wrapper lives.
 
 Example::
 
@@ -15,6 +16,8 @@ Example::
     >>> owner = reducer_owners()[id(ddp.module.weight)]
     >>> owner[0] is ddp, owner[1]   # (the DDP module, delayed allreduce)
     (True, False)
+    >>> reduced_parameters(ddp) == [ddp.module.weight, ddp.module.bias]
+    True
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ _FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
 
 _ddps: weakref.WeakSet = weakref.WeakSet()
 _fsdps: weakref.WeakSet = weakref.WeakSet()
-# A DDP module -> {id(parameter): delayed} for its parameters, once its reducer is built.
+# A DDP module -> (the parameters its reducer hooks, {id(parameter): delayed} for those and the
+# parameters whose allreduce it delays), once its reducer is built.
 _owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -61,7 +65,7 @@ def _find_existing() -> None:
     fsdp = _fsdp1_class()
     kinds = (DistributedDataParallel,) if fsdp is None else (DistributedDataParallel, fsdp)
     for obj in gc.get_objects():
-        if isinstance(obj, torch.nn.Module) and isinstance(obj, kinds):
+        if issubclass(type(obj), kinds):  # type(): some objects warn when asked __class__
             _note(obj, "module", None)
 
 
@@ -77,16 +81,22 @@ def reducer_owners() -> dict[int, tuple[DistributedDataParallel, bool]]:
         return {}
     owners: dict[int, tuple[DistributedDataParallel, bool]] = {}
     for ddp in list(_ddps):
-        ids = _owned.get(ddp)
-        if ids is None:
+        known = _owned.get(ddp)
+        if known is None:
             params = ddp_parameters(ddp)
             if params is None:  # still in its constructor
                 continue
             reduced, delayed = params
-            ids = {id(p): False for p in reduced} | {id(p): True for p in delayed}
-            _owned[ddp] = ids
-        owners.update((i, (ddp, delayed)) for i, delayed in ids.items())
+            known = _owned[ddp] = (reduced, {id(p): False for p in reduced})
+            known[1].update((id(p), True) for p in delayed)
+        owners.update((i, (ddp, delayed)) for i, delayed in known[1].items())
     return owners
+
+
+def reduced_parameters(ddp: DistributedDataParallel) -> list[torch.Tensor]:
+    """The parameters whose AccumulateGrad node ``ddp``'s reducer hooks (after
+    :func:`reducer_owners` has listed ``ddp``)."""
+    return _owned[ddp][0]
 
 
 def check_no_sharded_modules() -> None:
