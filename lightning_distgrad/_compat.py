@@ -279,9 +279,21 @@ def node_post_hooks(node: Any) -> dict:
     hook added and removed reads it. A node that had no hook keeps the empty dict, as
     after a user removes a hook. About 2 to 3 us a node.
     """
-    handle = node.register_hook(_no_op_hook)
-    hooks = handle.hooks_dict_ref()
-    handle.remove()
+    return _hooks_dict(node.register_hook(_no_op_hook))
+
+
+def node_pre_hooks(node: Any) -> dict:
+    """The hooks that ``node.register_prehook`` added (a snapshot, in the order they run).
+
+    No public alternative as of torch 2.14; read as :func:`node_post_hooks` reads post-hooks
+    (a node keeps its Python pre-hooks in a dict of their own), the same from torch 2.5 on.
+    """
+    return _hooks_dict(node.register_prehook(_no_op_hook))
+
+
+def _hooks_dict(stand_in: Any) -> dict:
+    hooks = stand_in.hooks_dict_ref()
+    stand_in.remove()
     return dict(hooks) if hooks else {}
 
 

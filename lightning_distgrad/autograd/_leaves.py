@@ -6,8 +6,8 @@ current (``DistAccumulateGradCaptureHook`` in torch/csrc/distributed/autograd/en
 dist_engine.cpp). DDP's reducer is such a C++ post-hook: with that context current, it averages
 the context's gradient over DDP's process group once every bucket of its parameters is in.
 
-A leaf here gets the same treatment: its gradient goes to the context and its Python post-hooks
-run. The one C++ post-hook torch code installs on leaves, DDP's,
+A leaf here gets the same treatment: its Python pre-hooks run, its gradient goes to the context
+and its Python post-hooks run. The one C++ post-hook torch code installs on leaves, DDP's,
 cannot be seen or called from Python, so the parameters of a DDP module (:mod:`._wrappers`) go
 through their real AccumulateGrad nodes instead, all in one native backward call when the pass
 ends on this worker (:meth:`LeafGradients.finish`): the gradients of all the module's parameters
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .._compat import node_post_hooks, post_accumulate_grad_hooks, tensor_hooks
+from .._compat import node_post_hooks, node_pre_hooks, post_accumulate_grad_hooks, tensor_hooks
 from ._context import DistAutogradContext
 from ._wrappers import reduced_parameters, reducer_owners
 
@@ -126,12 +126,22 @@ class LeafGradients:
             self._accumulate(plain)
 
     def _accumulate(self, leaf_grads: list[tuple[Any, torch.Tensor]]) -> None:
-        """Add to the context, then run the nodes' post-hooks as torch's engine does: with no
-        outputs and the node's input gradient."""
-        self.ctx.accumulate([(node.variable, grad) for node, grad in leaf_grads])
+        """As torch's engine does: run each node's pre-hooks on its gradient (a hook may return
+        a new one), add the result to the context, then run the node's post-hooks with no
+        outputs and that gradient."""
+        leaf_grads = [(node, self._run_pre_hooks(node, grad)) for node, grad in leaf_grads]
+        self.ctx.accumulate([(node.variable, g) for node, g in leaf_grads if g is not None])
         for node, grad in leaf_grads:
             for hook in node_post_hooks(node).values():
                 hook((), (grad,))
+
+    @staticmethod
+    def _run_pre_hooks(node: Any, grad: torch.Tensor) -> torch.Tensor | None:
+        for hook in node_pre_hooks(node).values():
+            result = hook((grad,))
+            if result is not None:
+                (grad,) = result
+        return grad
 
     @property
     def pending(self) -> bool:
