@@ -17,7 +17,8 @@ so the gradients travel and the engine's general path runs, and ``.grad`` must s
 * A module under ``torch.compile`` (backends ``eager`` and ``aot_eager``: the compiled backward
   of ``aot_eager`` is the custom autograd function inductor's would be, without compiling C++
   on every rank of a test job).
-* FSDP (``fully_shard``): raises (it reduce-scatters ``.grad`` at the end of a local backward).
+* FSDP (``fully_shard``): raises (it reduce-scatters ``.grad`` at the end of a local backward);
+  skipped on torch 2.5, whose FSDP2 needs CUDA.
 """
 
 from __future__ import annotations
@@ -199,6 +200,8 @@ def test_fully_shard_raises(rpc_world):
         net = mlp()
         try:
             fully_shard(net, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+            with torch.no_grad():
+                net(batch(rpc_world))  # where FSDP2 needs CUDA, it says so here
         except RuntimeError as e:  # the same on every rank
             torch.distributed._composable_state._module_state_mapping.pop(net, None)
             if "requires CUDA" not in str(e):
