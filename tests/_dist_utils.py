@@ -69,6 +69,21 @@ def exchange(world, obj):
     return world.comm.allgather(obj)
 
 
+def seeded(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """``module`` with parameters drawn from ``seed`` (the same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return module
+
+
+def mlp() -> torch.nn.Module:
+    """A small seeded MLP, 4 -> 8 -> 3."""
+    nn = torch.nn
+    return seeded(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)))
+
+
 @contextlib.contextmanager
 def gloo_process_group(world) -> Iterator[None]:
     """torch.distributed's default process group (gloo) over the session's ranks, for DDP;

@@ -25,7 +25,7 @@ import textwrap
 import pytest
 import torch
 import torch.distributed as dist
-from _dist_utils import exchange, gloo_process_group
+from _dist_utils import exchange, gloo_process_group, mlp, seeded
 from _job_runner import clean_env
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -61,19 +61,6 @@ def world(gloo, rpc_world):
 
 # ---------------------------------------------------------------------------
 # Helpers
-
-
-def seeded(module: nn.Module, seed: int = 0) -> nn.Module:
-    """``module`` with parameters drawn from ``seed`` (the same on every rank)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return module
-
-
-def mlp() -> nn.Module:
-    return seeded(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)))
 
 
 def batch(world, step: int, shape=(5, 4)) -> torch.Tensor:

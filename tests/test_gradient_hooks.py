@@ -27,7 +27,7 @@ import copy
 
 import pytest
 import torch
-from _dist_utils import gloo_process_group
+from _dist_utils import gloo_process_group, mlp
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -35,18 +35,6 @@ import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
 
 pytestmark = pytest.mark.mpi(min_size=2)
-
-
-def seeded(module: nn.Module) -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return module
-
-
-def mlp() -> nn.Module:
-    return seeded(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)))
 
 
 def batch(world) -> torch.Tensor:
