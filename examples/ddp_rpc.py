@@ -2,7 +2,7 @@ r"""Distributed data parallelism combined with the RPC framework (PyTorch's DDP 
 
 Run with (trainers on ranks 0 and 1, master on rank 2, parameter server on rank 3)::
 
-    mpiexec -n 4 python -m mpi4py examples/ddp_rpc.py [--epochs N]
+    mpiexec -n 4 python -m mpi4py examples/ddp_rpc.py [--epochs N] [--replicated-module]
 
 The program of the tutorial, over MPI. Four workers:
 
@@ -11,14 +11,17 @@ The program of the tutorial, over MPI. Four workers:
   :class:`~lightning_distgrad.nn.RemoteModule` and drives the training loop on both trainers
   with ``rpc_async(trainer, _run_trainer, ...)``;
 * ``trainer0`` and ``trainer1`` (ranks 0, 1) each build a :class:`HybridModel`: the remote
-  embedding, then a dense ``nn.Linear(16, 8)`` replicated on both trainers. The tutorial wraps
-  the dense layer in DDP; here it is a :class:`~lightning_distgrad.nn.ReplicatedModule` over the
-  trainers' communicator, whose ``sync_gradients(context_id)`` (called after the backward pass,
-  before the optimizer step) averages its gradients over the trainers, as DDP does.
+  embedding, then a dense ``nn.Linear(16, 8)`` replicated on both trainers, wrapped in torch's
+  ``DistributedDataParallel`` over a gloo process group of the two trainers, as in the
+  tutorial: DDP averages its gradients over the trainers, in the distributed autograd context,
+  during the backward pass. ``--replicated-module`` wraps it in a
+  :class:`~lightning_distgrad.nn.ReplicatedModule` over the trainers' MPI communicator instead
+  (no process group), whose ``sync_gradients(context_id)``, called after the backward pass and
+  before the optimizer step, averages the same gradients.
 
 Each trainer runs 100 epochs (``--epochs``) of 10 random batches (``get_next_batch``: bags of
 random indices, random targets among 8 classes), each in a distributed autograd context:
-forward, ``CrossEntropyLoss``, ``dist_autograd.backward``, ``sync_gradients``, and a
+forward, ``CrossEntropyLoss``, ``dist_autograd.backward`` and a
 ``DistributedOptimizer(optim.SGD, remote_parameters + [RRef(p) for p in fc.parameters()],
 lr=0.05)`` step, which updates the dense layer on the trainer and the table on ``ps``. Since the
 targets are random, the loss goes down to about ln(8) = 2.08 (the best a model can do) from the
@@ -26,25 +29,30 @@ much larger loss of the random initial table.
 
 Reproducible: the initial parameters and each trainer's batches are seeded, and by default the
 trainers step in lockstep (a barrier on their communicator after each optimizer step, so every
-forward pass sees both trainers' previous updates of the table). The final parameters then
-equal those of :func:`reference`, the same math on one process with plain ``torch.autograd``
-and ``torch.optim.SGD`` (up to rounding). ``--no-lockstep`` runs as the tutorial does (each
-trainer's table updates land whenever they land; not reproducible).
+forward pass sees both trainers' previous updates of the table; the trainers also compare their
+dense layers there). The final parameters then equal those of :func:`reference`, the same math on
+one process with plain ``torch.autograd`` and ``torch.optim.SGD`` (up to rounding).
+``--no-lockstep`` runs as the tutorial does (each trainer's table updates land whenever they
+land; not reproducible).
 
 Flags: ``--epochs N`` (default 100), ``--batches-per-epoch`` (10), ``--lr`` (0.05), ``--seed``
-(0), ``--no-lockstep``, ``--dump FILE`` (losses and final parameters as JSON, by the master).
+(0), ``--no-lockstep``, ``--replicated-module``, ``--dump FILE`` (losses and final parameters as
+JSON, by the master).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import socket
 import sys
 
 import torch
+import torch.distributed as dist
 from _example_utils import polite_barrier, say, tensors_to_lists, write_json
 from mpi4py import MPI
 from torch import nn, optim
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
@@ -114,15 +122,27 @@ def get_next_batch(rank: int, seed: int = SEED, batches: int = BATCHES_PER_EPOCH
 class HybridModel(nn.Module):
     r"""The tutorial's model: a sparse part and a dense part.
 
-    1) The dense part is an ``nn.Linear`` replicated on all trainers (a ReplicatedModule over
-       ``trainers``, where the tutorial uses DistributedDataParallel).
+    1) The dense part is an ``nn.Linear`` replicated on all trainers, wrapped in
+       DistributedDataParallel over ``process_group`` (None: the default group), or, with
+       ``replicated_module=True``, in a ReplicatedModule over the MPI communicator ``trainers``.
     2) The sparse part is a RemoteModule holding an ``nn.EmbeddingBag`` on the parameter server.
     """
 
-    def __init__(self, remote_emb_module: RemoteModule, trainers: MPI.Intracomm, seed: int = SEED):
+    def __init__(
+        self,
+        remote_emb_module: RemoteModule,
+        trainers: MPI.Intracomm,
+        seed: int = SEED,
+        replicated_module: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__()
         self.remote_emb_module = remote_emb_module
-        self.fc = ReplicatedModule(seeded_linear(EMBEDDING_DIM, NUM_CLASSES, seed), trainers)
+        fc = seeded_linear(EMBEDDING_DIM, NUM_CLASSES, seed)
+        if replicated_module:
+            self.fc = ReplicatedModule(fc, trainers)
+        else:
+            self.fc = DDP(fc, process_group=process_group)
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         emb_lookup = self.remote_emb_module.forward(indices, offsets)
@@ -132,7 +152,16 @@ class HybridModel(nn.Module):
 # ---------------------------------------------------------------------------
 # The trainers' loop (runs on trainer0 and trainer1, started by the master over RPC)
 
+# The trainers' MPI communicator and DDP's process group (None: the default group); set on
+# the trainers before the master starts them.
 _trainers_comm: MPI.Intracomm | None = None
+_ddp_group: dist.ProcessGroup | None = None
+
+
+def replicas_equal(trainers: MPI.Intracomm, module: nn.Module) -> bool:
+    """Whether every trainer's ``module`` holds exactly the same parameters (a collective)."""
+    mine = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    return all(torch.equal(mine, theirs) for theirs in trainers.allgather(mine))
 
 
 def _run_trainer(
@@ -144,17 +173,19 @@ def _run_trainer(
     seed: int = SEED,
     lockstep: bool = True,
     verbose: bool = True,
+    replicated_module: bool = False,
 ) -> dict:
     r"""Each trainer runs a forward pass which involves an embedding lookup on the parameter
-    server and running ``nn.Linear`` locally. During the backward pass, distributed autograd
-    propagates the gradients to the parameter server; ``sync_gradients`` then averages the
-    dense part's gradients over the trainers (DDP's allreduce).
+    server and running ``nn.Linear`` locally. During the backward pass, DDP averages the dense
+    part's gradients over the trainers, and distributed autograd propagates the gradients to the
+    parameter server (with ``replicated_module``, ``sync_gradients`` averages them after it).
 
-    Returns this trainer's per-step ``losses`` and the dense layer's final ``fc`` parameters.
+    Returns this trainer's per-step ``losses``, whether the trainers' dense layers were equal
+    after each step (``equal_each_step``, in lockstep only) and its final ``fc`` parameters.
     """
     trainers = _trainers_comm
     assert trainers is not None, "_run_trainer runs on a trainer only"
-    model = HybridModel(remote_emb_module, trainers, seed)
+    model = HybridModel(remote_emb_module, trainers, seed, replicated_module, _ddp_group)
 
     # Retrieve all model parameters as rrefs for DistributedOptimizer: the embedding
     # table's (on ps), and the local dense layer's. (model.parameters() would include
@@ -166,7 +197,7 @@ def _run_trainer(
     criterion = nn.CrossEntropyLoss()
 
     next_epoch = get_next_batch(rank, seed, batches)
-    losses = []
+    losses, equal_each_step = [], []
     for epoch in range(epochs):
         for indices, offsets, target in next_epoch():
             with dist_autograd.context() as context_id:
@@ -174,19 +205,21 @@ def _run_trainer(
                 loss = criterion(output, target)
                 # Run distributed backward pass.
                 dist_autograd.backward(context_id, [loss])
-                # Average the dense part's gradients over the trainers (DDP's job).
-                model.fc.sync_gradients(context_id)
+                if replicated_module:  # average the dense part's gradients (DDP did it above)
+                    model.fc.sync_gradients(context_id)
                 # Run distributed optimizer: the table on ps, the dense layer here.
                 opt.step(context_id)
                 # No need to zero gradients: each iteration has its own context.
             if lockstep:
                 polite_barrier(trainers)
+                equal_each_step.append(replicas_equal(trainers, model.fc))
             losses.append(loss.item())
         if verbose:
             mean = sum(losses[-batches:]) / batches
             say(f"trainer{rank} epoch {epoch:3d} mean loss {mean:.4f}")
     return {
         "losses": losses,
+        "equal_each_step": equal_each_step,
         "fc": {k: v.detach().clone() for k, v in model.fc.module.state_dict().items()},
     }
 
@@ -200,14 +233,16 @@ def run_master(
     verbose: bool = True,
     ps: str = "ps",
     trainer_names: tuple[str, ...] = ("trainer0", "trainer1"),
+    replicated_module: bool = False,
 ) -> dict:
     """The master's part: create the table on ``ps``, train on both trainers, collect results.
 
     ``ps`` and ``trainer_names`` are the workers' names (the trainers must have set their
-    communicator, see :func:`run_worker`).
+    communicator and, for DDP, their process group, see :func:`run_worker`).
 
     Returns ``losses`` (one list per trainer), the final ``params`` (``emb.weight``,
-    ``fc.weight``, ``fc.bias``) and ``fc_equal`` (the trainers' dense layers are identical).
+    ``fc.weight``, ``fc.bias``), ``fc_equal`` (the trainers' dense layers are identical at the
+    end) and ``equal_each_step`` (they were after each step; empty without lockstep).
     """
     remote_emb_module = RemoteModule(
         ps,
@@ -222,7 +257,17 @@ def run_master(
         fut = rpc.rpc_async(
             trainer_name,
             _run_trainer,
-            args=(remote_emb_module, trainer_rank, epochs, batches, lr, seed, lockstep, verbose),
+            args=(
+                remote_emb_module,
+                trainer_rank,
+                epochs,
+                batches,
+                lr,
+                seed,
+                lockstep,
+                verbose,
+                replicated_module,
+            ),
             timeout=0,
         )
         futs.append(fut)
@@ -236,6 +281,7 @@ def run_master(
         "fc_equal": all(
             torch.equal(results[0]["fc"][k], r["fc"][k]) for r in results for k in r["fc"]
         ),
+        "equal_each_step": results[0]["equal_each_step"],
     }
 
 
@@ -291,16 +337,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_false",
         help="no barrier between the trainers' steps (as the tutorial; not reproducible)",
     )
+    parser.add_argument(
+        "--replicated-module",
+        action="store_true",
+        help="replicate the dense layer with lightning_distgrad.nn.ReplicatedModule, not DDP",
+    )
     parser.add_argument("--dump", help="write the losses and final parameters (JSON) here")
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
     return parser.parse_args(argv)
+
+
+def trainers_tcp_store(trainers: MPI.Intracomm) -> dist.TCPStore:
+    """The rendezvous of the trainers' process group: a TCPStore on the first trainer's host,
+    on a port the OS picks, whose address the others learn over MPI (the tutorial's
+    ``init_method="tcp://localhost:29500"`` works too, on one node and a free port)."""
+    size = trainers.Get_size()
+    if trainers.Get_rank() == 0:
+        store = dist.TCPStore(socket.gethostname(), 0, size, is_master=True, wait_for_workers=False)
+        trainers.bcast((socket.gethostname(), store.port), root=0)
+        return store
+    host, port = trainers.bcast(None, root=0)
+    return dist.TCPStore(host, port, size, is_master=False)
 
 
 def run_worker(args: argparse.Namespace) -> dict | None:
     """Initialise RPC with this rank's role, run it, shut down. The master returns results."""
     global _trainers_comm
     rank = MPI.COMM_WORLD.Get_rank()
-    # The trainers' communicator (DDP's process group); a collective on every rank.
+    # The trainers' communicator; a collective on every rank.
     trainers = MPI.COMM_WORLD.Split(0 if rank in TRAINERS else MPI.UNDEFINED, rank)
     result = None
     if rank == MASTER:
@@ -312,9 +376,14 @@ def run_worker(args: argparse.Namespace) -> dict | None:
             args.seed,
             args.lockstep,
             verbose=not args.quiet,
+            replicated_module=args.replicated_module,
         )
     elif rank in TRAINERS:
         _trainers_comm = trainers
+        if not args.replicated_module:
+            # Initialize process group for Distributed DataParallel on trainers.
+            store = trainers_tcp_store(trainers)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=len(TRAINERS))
         rpc.init_rpc(f"trainer{rank}")
         # Trainer just waits for RPCs from master.
     else:
@@ -322,6 +391,8 @@ def run_worker(args: argparse.Namespace) -> dict | None:
         # Parameter server does nothing: it only answers RPCs from the trainers and master.
     # Block until all RPCs finish.
     rpc.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     if trainers != MPI.COMM_NULL:
         _trainers_comm = None
         trainers.Free()
@@ -344,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"of the last epoch {sum(losses[-b:]) / b:.4f} ({len(losses)} steps)"
             )
         say(f"master: dense layer identical on both trainers: {result['fc_equal']}")
+        if args.lockstep:
+            say(f"master: identical after every step: {all(result['equal_each_step'])}")
         if args.dump:
             write_json(
                 args.dump,
@@ -351,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                     "args": vars(args),
                     "losses": result["losses"],
                     "fc_equal": result["fc_equal"],
+                    "equal_each_step": result["equal_each_step"],
                     "params": tensors_to_lists(result["params"]),
                 },
             )

@@ -279,10 +279,67 @@ def node_post_hooks(node: Any) -> dict:
     hook added and removed reads it. A node that had no hook keeps the empty dict, as
     after a user removes a hook. About 2 to 3 us a node.
     """
-    handle = node.register_hook(_no_op_hook)
-    hooks = handle.hooks_dict_ref()
-    handle.remove()
+    return _hooks_dict(node.register_hook(_no_op_hook))
+
+
+def node_pre_hooks(node: Any) -> dict:
+    """The hooks that ``node.register_prehook`` added (a snapshot, in the order they run).
+
+    No public alternative as of torch 2.14; read as :func:`node_post_hooks` reads post-hooks
+    (a node keeps its Python pre-hooks in a dict of their own), the same from torch 2.5 on.
+    """
+    return _hooks_dict(node.register_prehook(_no_op_hook))
+
+
+def _hooks_dict(stand_in: Any) -> dict:
+    hooks = stand_in.hooks_dict_ref()
+    stand_in.remove()
     return dict(hooks) if hooks else {}
+
+
+def post_accumulate_grad_hooks(tensor: torch.Tensor) -> dict | None:
+    """The hooks that ``tensor.register_post_accumulate_grad_hook`` added (a live dict), or
+    None.
+
+    No public alternative as of torch 2.14 (the same from 2.5 on): hooks can be added and
+    removed by handle only.
+    """
+    return getattr(tensor, "_post_accumulate_grad_hooks", None)
+
+
+def ddp_parameters(ddp: torch.nn.Module) -> tuple[list, list] | None:
+    """``(reduced, delayed)`` parameters of a ``DistributedDataParallel`` module: those whose
+    AccumulateGrad node its reducer hooks (the ones that require grad), and those whose
+    allreduce it delays (``delay_all_reduce_named_params``, no reducer hook); None while its
+    constructor has not built the reducer.
+
+    No public alternative as of torch 2.14: DDP keeps them in ``_module_parameters`` and
+    ``_delay_all_reduce_params``, the same from torch 2.5 to 2.14.
+    """
+    if getattr(ddp, "reducer", None) is None:
+        return None
+    reduced = [p for p in ddp._module_parameters if p.requires_grad]
+    return reduced, list(ddp._delay_all_reduce_params)
+
+
+def fully_shard_modules() -> list[torch.nn.Module]:
+    """The modules that ``fully_shard`` (FSDP2) manages in this process.
+
+    No public alternative as of torch 2.14: ``fully_shard`` records each module's state in
+    the private ``torch.distributed._composable_state._module_state_mapping`` (a dict in torch
+    2.5, a ``WeakKeyDictionary`` in 2.13 and 2.14), which ``replicate`` shares. Their class,
+    ``FSDPModule``, is public as ``torch.distributed.fsdp.FSDPModule`` from torch 2.6 and
+    ``torch.distributed._composable.fsdp.FSDPModule`` in 2.5.
+    """
+    state = sys.modules.get("torch.distributed._composable_state")
+    mapping = getattr(state, "_module_state_mapping", None)
+    if not mapping:
+        return []
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch 2.5
+        from torch.distributed._composable.fsdp import FSDPModule
+    return [module for module in list(mapping) if isinstance(module, FSDPModule)]
 
 
 # No public alternative as of torch 2.14 (torch.multiprocessing shares CUDA tensors with them):

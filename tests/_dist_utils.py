@@ -8,11 +8,12 @@ unconditionally on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -66,6 +67,42 @@ def exchange(world, obj):
     """Allgather ``obj`` over the test communicator (after a sleeping barrier)."""
     world.barrier()
     return world.comm.allgather(obj)
+
+
+def seeded(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """``module`` with parameters drawn from ``seed`` (the same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return module
+
+
+def mlp() -> torch.nn.Module:
+    """A small seeded MLP, 4 -> 8 -> 3."""
+    nn = torch.nn
+    return seeded(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)))
+
+
+@contextlib.contextmanager
+def gloo_process_group(world) -> Iterator[None]:
+    """torch.distributed's default process group (gloo) over the session's ranks, for DDP;
+    a collective. Its rendezvous is a TCPStore on loopback whose port rank 0 broadcasts."""
+    import torch.distributed as dist
+
+    size = world.size
+    if world.rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
+        exchange(world, store.port)
+    else:
+        port = exchange(world, None)[0]
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=world.rank, world_size=size)
+    try:
+        yield
+    finally:
+        world.barrier()
+        dist.destroy_process_group()
 
 
 def debug_info() -> dict[str, int]:

@@ -253,6 +253,74 @@ def test_node_post_hooks_lists_a_nodes_hooks_in_order_and_leaves_them_as_they_we
     assert calls == ["second", "third", "second", "third"]
 
 
+def test_node_pre_hooks_lists_a_nodes_pre_hooks_in_order_and_leaves_them_as_they_were():
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    node = y.grad_fn.next_functions[0][0]
+    assert _compat.node_pre_hooks(node) == {}
+    first = node.register_prehook(lambda grads: (grads[0] + 1,))
+    node.register_prehook(lambda grads: (grads[0] * 10,))
+    first.remove()
+    node.register_prehook(lambda grads: (grads[0] - 1,))
+    grads = (torch.ones(2),)
+    for hook in _compat.node_pre_hooks(node).values():
+        grads = hook(grads)
+    assert grads[0].tolist() == [9.0, 9.0]
+    assert len(_compat.node_pre_hooks(node)) == 2  # no stand-in hook left behind
+    y.sum().backward()  # the node keeps its hooks: (2 * 10) - 1
+    assert x.grad.tolist() == [19.0, 19.0]
+
+
+def test_post_accumulate_grad_hooks_is_the_live_dict():
+    p = torch.nn.Parameter(torch.ones(2))
+    assert not _compat.post_accumulate_grad_hooks(p)
+    handle = p.register_post_accumulate_grad_hook(lambda t: None)
+    assert len(_compat.post_accumulate_grad_hooks(p)) == 1
+    handle.remove()
+    assert not _compat.post_accumulate_grad_hooks(p)
+
+
+@pytest.fixture
+def one_rank_process_group(tmp_path):
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_ddp_parameters_are_the_reduced_and_the_delayed_ones(one_rank_process_group):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    net[1].bias.requires_grad_(False)
+    delayed = [("0.weight", net[0].weight)]
+    ddp = DDP(net, delay_all_reduce_named_params=delayed, param_to_hook_all_reduce=net[0].weight)
+    reduced, late = _compat.ddp_parameters(ddp)
+    assert reduced == [net[0].bias, net[1].weight] and late == [net[0].weight]
+
+
+def test_fully_shard_modules_lists_the_modules_of_fully_shard(one_rank_process_group):
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.5
+        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    net = torch.nn.Linear(2, 2)
+    assert net not in _compat.fully_shard_modules()
+    try:
+        fully_shard(net, mesh=init_device_mesh("cpu", (1,)))
+        assert _compat.fully_shard_modules() == [net]
+    except RuntimeError as e:
+        if "requires CUDA" not in str(e):
+            raise
+        pytest.skip(f"fully_shard does not run on CPU in torch {torch.__version__}")
+    finally:
+        torch.distributed._composable_state._module_state_mapping.pop(net, None)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="its CUDA behaviour is in test_cuda.py")
 def test_cuda_ipc_sharing_takes_a_storage_and_refuses_without_a_gpu():
     """The export takes one storage and the import torch's 8 export fields (as

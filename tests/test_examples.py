@@ -10,8 +10,8 @@ loss goes down:
   and ``--dump``, and read the dump;
 * ``mpi`` tests run the examples' training functions inside the test session's RPC world
   (``worker{rank}`` names): the 2-worker example on >= 2 ranks, the parameter server on >= 3
-  (the last rank serves), the DDP + RPC hybrid on >= 4 (ranks 0, 1 train, 2 is the master,
-  3 the server).
+  (the last rank serves), the DDP + RPC hybrid with ReplicatedModule on >= 4 (ranks 0, 1
+  train, 2 is the master, 3 the server; with torch's DDP: ``tests/test_ddp.py``).
 """
 
 from __future__ import annotations
@@ -112,11 +112,29 @@ def test_parameter_server_job_matches_single_process(tmp_path):
 
 
 @needs_mpiexec
-def test_ddp_rpc_job_matches_single_process(tmp_path):
-    epochs, batches = 3, 10
-    dump, out = run_example(tmp_path, 4, "ddp_rpc.py", "--epochs", str(epochs))
-    ref = ddp_rpc.reference(epochs, batches)
+def test_ddp_rpc_job_with_torch_ddp_matches_single_process(tmp_path):
+    # The tutorial as written: the dense layer in torch's DistributedDataParallel over a gloo
+    # process group of the two trainers, beside RPC; 5 steps.
+    batches = 5
+    flags = ("--epochs", "1", "--batches-per-epoch", str(batches))
+    dump, out = run_example(tmp_path, 4, "ddp_rpc.py", *flags)
+    ref = ddp_rpc.reference(1, batches)
+    assert dump["equal_each_step"] == [True] * batches, "the trainers' dense layers differ"
     assert dump["fc_equal"], "the trainers' dense layers differ"
+    assert_params_close(dump["params"], ref["params"], "ddp_rpc")
+    for t in range(2):
+        assert_losses_close(dump["losses"][t], ref["losses"][t], f"trainer{t}")
+    assert "master: identical after every step: True" in out, out
+
+
+@needs_mpiexec
+def test_ddp_rpc_job_with_replicated_module_matches_single_process(tmp_path):
+    epochs, batches = 3, 10
+    dump, out = run_example(
+        tmp_path, 4, "ddp_rpc.py", "--epochs", str(epochs), "--replicated-module"
+    )
+    ref = ddp_rpc.reference(epochs, batches)
+    assert dump["equal_each_step"] == [True] * (epochs * batches)
     assert_params_close(dump["params"], ref["params"], "ddp_rpc")
     for t in range(2):
         losses = dump["losses"][t]
@@ -200,9 +218,10 @@ def test_ddp_rpc_in_session(rpc_world):
             verbose=False,
             ps=rpc_world.names[ddp_rpc.PS],
             trainer_names=tuple(rpc_world.names[r] for r in ddp_rpc.TRAINERS),
+            replicated_module=True,  # torch's DDP in a session: tests/test_ddp.py
         )
         ref = ddp_rpc.reference(epochs, batches)
-        assert result["fc_equal"]
+        assert result["fc_equal"] and all(result["equal_each_step"])
         assert_params_close(result["params"], ref["params"], "master")
         for t in range(2):
             assert_losses_close(result["losses"][t], ref["losses"][t], f"trainer{t}")

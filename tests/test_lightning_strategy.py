@@ -25,6 +25,7 @@ from _dist_utils import make_trainer
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 import lightning_distgrad
@@ -647,3 +648,44 @@ def test_routed_remote_experts_train_as_one_process_with_unused_experts_untouche
         )
         optimizer.step()
     assert_states_close(distributed_state(trainer), reference.state_dict())
+
+
+class DDPDenseModel(emb_example.EmbeddingPSModel):
+    """The embedding model with its dense part wrapped in torch's DDP by the user, over a gloo
+    process group of the trainers. The strategy averages local parameters itself; DDP's
+    average in the backward pass is averaged again, which changes nothing."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if not isinstance(self.dense, DDP):
+            self.dense = DDP(self.dense)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_dense_part_the_user_wrapped_in_ddp_trains_as_without_it(rpc_world):
+    import torch.distributed as dist
+
+    rank, size = world()
+    trainers = size - 1
+    store = None
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, trainers, is_master=True, wait_for_workers=False)
+    port = rpc_world.comm.bcast(store.port if store else None, root=0)
+    if 0 < rank < trainers:
+        store = dist.TCPStore("127.0.0.1", port, trainers, is_master=False)
+    if rank < trainers:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=trainers)
+    try:
+        data = embedding_data(steps_per_epoch=3)
+        trainer = fit_seeded(DDPDenseModel, data)
+        if trainer is not None:
+            state = {
+                k.replace("dense.module.", "dense."): v
+                for k, v in distributed_state(trainer).items()
+            }
+            assert_states_close(state, reference_state(local_embedding(), data, steps=3))
+            assert all(p.grad is not None for p in trainer.lightning_module.dense.parameters())
+    finally:
+        rpc_world.barrier()
+        if rank < trainers:
+            dist.destroy_process_group()

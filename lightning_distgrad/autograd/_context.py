@@ -138,6 +138,12 @@ class DistAutogradContext:
                 else:
                     self.grads[leaf] = grad
 
+    def take_gradients(self, leaves: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Remove the gradients of ``leaves`` from this context and return them (None for a
+        leaf without one)."""
+        with self.lock:
+            return [self.grads.pop(leaf, None) for leaf in leaves]
+
     def accumulate(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Add each ``(leaf, gradient)`` to the leaf's gradient in this context.
 

@@ -62,8 +62,10 @@ from ._credit import (  # noqa: F401  (re-exported)
     split_credit,
 )
 from ._graph import is_leaf_node
+from ._leaves import LeafGradients
 from ._messages import CreditReturn, Gradients, decode_gradients, encode_gradients
-from ._pass import Pass, accumulate_leaves, native_grad
+from ._pass import Pass, native_grad
+from ._wrappers import check_no_sharded_modules
 
 _container: ContextContainer | None = None
 _pass_ids = itertools.count()
@@ -182,6 +184,8 @@ def backward(
                     pass
             if p.error is not None:
                 raise p.error
+            # Its DDP parameters through DDP's reducer, now that this thread polls no more.
+            p.leaves.finish()
             _check_all_sends_used(context_id, latest)
     finally:
         _end_pass(ctx, p)
@@ -212,6 +216,7 @@ def _local_backward(
     leaves = _leaf_nodes([e.node for e in edges])
     if not leaves:
         return False
+    check_no_sharded_modules()
     try:
         grads = native_grad(
             roots,
@@ -221,7 +226,9 @@ def _local_backward(
         )
     except Exception as e:
         raise _wrap_error(container().worker_id, e) from None
-    accumulate_leaves(ctx, [(n, g) for n, g in zip(leaves, grads, strict=True) if g is not None])
+    handed = LeafGradients(ctx)
+    handed.add(list(zip(leaves, grads, strict=True)))
+    handed.finish()
     return True
 
 
@@ -458,7 +465,9 @@ def deliver_and_ship(p: Pass, credit: Credit, deliver: Callable, *args: Any) -> 
     makes, sharing ``credit``; an error goes back to the root with the credit not shipped.
 
     A worker other than the root ends its part of the pass once that part is complete or
-    failed, before its credit goes back (the root's backward returns after that).
+    failed, before its credit goes back (the root's backward returns after that). Its DDP
+    parameters then go through DDP's reducer (``LeafGradients.finish``) on a thread of their
+    own: the reducer waits for its replicas, whose passes may need the thread running this.
     """
     me = container().worker_id
     outbox = Outbox(p, credit)
@@ -470,8 +479,28 @@ def deliver_and_ship(p: Pass, credit: Credit, deliver: Callable, *args: Any) -> 
         outbox.fail(_wrap_error(me, e).with_traceback(e.__traceback__))
         return
     if p.pass_id[0] != me and p.complete():
+        if p.leaves.pending:
+            outbox.send_early(messages)
+            name = "lightning_distgrad DDP reduction"
+            threading.Thread(target=_finish_part, args=(p, outbox), name=name, daemon=True).start()
+            return
         _end_pass(p.ctx, p)
     outbox.finish(messages)
+
+
+def _finish_part(p: Pass, outbox: Outbox) -> None:
+    """This worker's complete part of a pass: its DDP parameters through DDP's reducer, then
+    the credit kept back to the root."""
+    error = None
+    try:
+        p.leaves.finish()
+    except Exception as e:
+        error = _wrap_error(container().worker_id, e).with_traceback(e.__traceback__)
+    _end_pass(p.ctx, p)
+    if error is None:
+        outbox.finish([])
+    else:
+        outbox.fail(error)
 
 
 def num_backward_passes() -> int:

@@ -34,11 +34,13 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from .._compat import engine_run_backward, node_post_hooks, num_node_inputs, tensor_hooks
+from .._compat import engine_run_backward, num_node_inputs, tensor_hooks
 from ..rpc._internal import run_recorded, timeout_error
 from ._context import DistAutogradContext, sum_grads
 from ._credit import NO_CREDIT, Credit, add_credit, is_all_credit
 from ._graph import Graph, is_leaf_node
+from ._leaves import LeafGradients
+from ._wrappers import check_no_sharded_modules
 
 #: Profiler spans of the send and recv functions, under the names torch's engine records
 #: them by: a send function taking the gradients its peer shipped, a recv function's
@@ -64,16 +66,6 @@ def native_grad(
     )
 
 
-def accumulate_leaves(ctx: DistAutogradContext, leaf_grads: list[tuple[Any, torch.Tensor]]) -> None:
-    """Add each ``(AccumulateGrad node, gradient)`` to ``ctx``, then run the nodes'
-    post-hooks as torch's engine does: after accumulating, with no outputs and the node's
-    input gradient."""
-    ctx.accumulate([(node.variable, grad) for node, grad in leaf_grads])
-    for node, grad in leaf_grads:
-        for hook in node_post_hooks(node).values():
-            hook((), (grad,))
-
-
 class Pass:
     """One backward pass of one context on this worker."""
 
@@ -84,6 +76,7 @@ class Pass:
         retain_graph: bool,
         root_edges: list[GradientEdge],
     ):
+        check_no_sharded_modules()
         self.ctx = ctx
         self.pass_id = pass_id
         self.retain_graph = retain_graph
@@ -106,6 +99,7 @@ class Pass:
         # not yet passed on to their children.
         self.empty: list = []
         self.held_hooks: dict[Any, dict] = {}  # leaf node -> hooks taken off it
+        self.leaves = LeafGradients(ctx)
         self.seq = 0
         # Root only, under credit_lock (never held during graph work): the
         # credit back so far, the workers' reports, the first error.
@@ -379,7 +373,8 @@ class Pass:
     # -- leaving the local graph ------------------------------------------------------
 
     def _finalize_boundary(self, by_peer: dict[int, list]) -> None:
-        """Accumulate complete leaves; add finished recv functions' gradients to ``by_peer``."""
+        """Hand complete leaves to the context; add finished recv functions' gradients to
+        ``by_peer``."""
         leaf_grads = []
         remaining = self.graph.remaining
         for node in self.graph.boundary:
@@ -391,11 +386,9 @@ class Pass:
                 peer, item = run_recorded(RECV_FUNCTION_SPAN, self._recv_gradients, node, grads)
                 by_peer.setdefault(peer, []).append(item)
             else:
-                grad = self._run_held_hooks(node, grads.get(0))
-                if grad is not None:
-                    leaf_grads.append((node, grad))
+                leaf_grads.append((node, self._run_held_hooks(node, grads.get(0))))
         if leaf_grads:
-            accumulate_leaves(self.ctx, leaf_grads)
+            self.leaves.add(leaf_grads)
 
     def _run_held_hooks(self, node: Any, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Give a leaf its hooks back, and run them on its (now full) gradient."""

@@ -3,8 +3,10 @@
 In a hybrid model (seed: an ``EmbeddingBag`` on a parameter server reached
 through a :class:`~lightning_distgrad.nn.RemoteModule`, a dense layer
 replicated on every trainer) the gradients of the replicated layer land in
-the distributed autograd context, not in ``.grad``, so torch's DDP cannot see
-them. :class:`ReplicatedModule` keeps the replicas equal instead:
+the distributed autograd context, not in ``.grad``. torch's
+``DistributedDataParallel`` averages them there, over a ``torch.distributed``
+process group; :class:`ReplicatedModule` does the same over an MPI
+communicator, with no process group to set up:
 
 * at construction it checks that every trainer wraps the same architecture and
   broadcasts the parameters and buffers of the first trainer;
@@ -217,9 +219,9 @@ def _average_sparse(
 class ReplicatedModule(nn.Module):
     r"""A module replicated on every trainer, kept identical by averaging its gradients.
 
-    The data-parallel part of a hybrid model trained with distributed autograd
-    (torch's DDP cannot be used there: the gradients live in the distributed
-    autograd context, not in ``.grad``). Construct it on every rank of
+    The data-parallel part of a hybrid model trained with distributed autograd,
+    over MPI (torch's ``DistributedDataParallel`` does the same over a
+    ``torch.distributed`` process group). Construct it on every rank of
     ``comm`` (a collective); it checks that all ranks wrap the same
     architecture and copies the parameters and buffers of ``comm``'s rank
     ``src`` to the others. Then, in each iteration, every trainer calls

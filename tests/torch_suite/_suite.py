@@ -44,6 +44,8 @@ CLASSES: list[tuple[str, str, bool]] = [
     ("nn.api.remote_module_test", "ThreeWorkersRemoteModuleTest", False),
     ("rpc.examples.parameter_server_test", "ParameterServerTest", False),
     ("rpc.examples.reinforcement_learning_rpc_test", "ReinforcementLearningRpcTest", False),
+    ("ddp_under_dist_autograd_test", "DdpComparisonTest", False),
+    ("ddp_under_dist_autograd_test", "DdpUnderDistAutogradTest", False),
     ("rpc.rpc_test", "CudaRpcTest", True),
     ("rpc.rpc_test", "TensorPipeAgentCudaRpcTest", True),
     ("rpc.dist_autograd_test", "CudaDistAutogradTest", True),

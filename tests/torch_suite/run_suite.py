@@ -1,10 +1,11 @@
 """Run PyTorch's own RPC test suite against ``lightning_distgrad``, under MPI.
 
 The test classes of the installed torch (``RpcTest``, ``DistAutogradTest``,
-``DistOptimizerTest``, ``RemoteModuleTest``, the examples, ...; the CUDA classes where
-torch sees a GPU) run with ``torch.distributed.rpc`` and friends resolved to this
-package (see ``_suite.py``), each class in jobs of its ``world_size`` ranks (4, or 2 and
-3 for the RemoteModule classes), many tests per job, MPI rank r playing ``self.rank``.
+``DistOptimizerTest``, ``RemoteModuleTest``, the examples, torch's DDP under distributed
+autograd, ...; the CUDA classes where torch sees a GPU) run with ``torch.distributed.rpc`` and
+friends resolved to this package (see ``_suite.py``), each class in jobs of its ``world_size``
+ranks (4, or 2 and 3 for the RemoteModule classes, 6 for ``DdpUnderDistAutogradTest``), many
+tests per job, MPI rank r playing ``self.rank``.
 The package under test is the one in the CURRENT DIRECTORY::
 
     cd <checkout> && python tests/torch_suite/run_suite.py                    # everything
