@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from fractions import Fraction
 
-from lightning_distgrad.autograd._engine import (
+from lightning_distgrad.autograd._credit import (
     ALL_CREDIT,
     NO_CREDIT,
     add_credit,

@@ -16,13 +16,16 @@ from _job_runner import LAUNCHER, mpi_job
 
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import profiler, rpc
-from lightning_distgrad.autograd import _engine
+from lightning_distgrad.autograd import _engine, _shipping
 from lightning_distgrad.rpc._calls import remote_events as remote_events_module
 from lightning_distgrad.rpc._calls import spans
 from lightning_distgrad.rpc._transport import message_log
 
 REPO = Path(__file__).resolve().parents[1]
 REMOTE_OP = "#remote_op: "  # torch's separator (torch.testing's RPC profiling tests)
+
+#: The spans of a pass's local work and gradient messages.
+_PASS_SPANS = (_shipping.LOCAL_WORK_SPAN, _shipping.SEND_SPAN, _shipping.RECEIVE_SPAN)
 
 
 def double(x):
@@ -213,8 +216,8 @@ def backward_events(prof) -> tuple[list, list]:
     inner = [
         e
         for e in events
-        if e.name == _engine.LOCAL_WORK_SPAN
-        or e.name.startswith((_engine.SEND_SPAN, _engine.RECEIVE_SPAN))
+        if e.name == _shipping.LOCAL_WORK_SPAN
+        or e.name.startswith((_shipping.SEND_SPAN, _shipping.RECEIVE_SPAN))
     ]
     return passes, inner
 
@@ -229,9 +232,9 @@ def test_the_distributed_backward_is_recorded_with_its_work_and_messages(rpc_wor
     passes, inner = backward_events(prof)
     assert len(passes) == 1, [e.name for e in prof.events() if "autograd" in e.name]
     names = [e.name for e in inner]
-    assert names.count(_engine.LOCAL_WORK_SPAN) >= 2, names  # the roots, then the gradients
-    assert f"{_engine.SEND_SPAN}({me} -> {peer})" in names
-    assert f"{_engine.RECEIVE_SPAN}({peer} -> {me})" in names
+    assert names.count(_shipping.LOCAL_WORK_SPAN) >= 2, names  # the roots, then the gradients
+    assert f"{_shipping.SEND_SPAN}({me} -> {peer})" in names
+    assert f"{_shipping.RECEIVE_SPAN}({peer} -> {me})" in names
     for event in inner:  # each one runs on the pass's thread, inside the pass
         parent = event.cpu_parent
         while parent is not None and parent is not passes[0]:
@@ -251,7 +254,7 @@ def assert_backward_spans_nest(events: list[dict], pid: int) -> list[dict]:
         for e in spans
         if e["tid"] in threads
         and e["cat"] == "user_annotation"
-        and e["name"].startswith((_engine.LOCAL_WORK_SPAN, _engine.SEND_SPAN, _engine.RECEIVE_SPAN))
+        and e["name"].startswith(_PASS_SPANS)
     ]
     assert inner
     rounding = 0.002  # times in the trace are rounded to the ns
@@ -262,7 +265,7 @@ def assert_backward_spans_nest(events: list[dict], pid: int) -> list[dict]:
             and e["ts"] + e["dur"] <= p["ts"] + p["dur"] + rounding
             for p in passes
         ), e
-    return [e for e in inner if e["name"].startswith(_engine.SEND_SPAN)]
+    return [e for e in inner if e["name"].startswith(_shipping.SEND_SPAN)]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -320,7 +323,7 @@ def test_the_merged_timeline_has_a_lane_per_worker_and_an_arrow_per_message(
         kinds.add(start["name"])
     assert {"QUICK_REQUEST", "REQUEST", "RESPONSE", "GRADIENTS"} <= kinds, kinds
     sends = assert_backward_spans_nest(events, 0)
-    assert {e["name"] for e in sends} == {f"{_engine.SEND_SPAN}(worker0 -> {world.peer()})"}
+    assert {e["name"] for e in sends} == {f"{_shipping.SEND_SPAN}(worker0 -> {world.peer()})"}
     assert all(e["args"] == {"bytes": 2 * 2 * 4, "gradients": 1} for e in sends), sends
     png = f"{folder}/timeline.png"
     profiler.plot_timeline(path, png)
@@ -362,7 +365,7 @@ def test_the_profiled_lightning_pipeline_writes_a_timeline_of_both_ranks(tmp_pat
     assert names.count((0, forwards)) == 2, sorted(set(names))[:40]
     assert names.count((1, forwards.replace("rpc_sync", "rpc_serve"))) == 2
     for pid in (0, 1):
-        assert (pid, f"{_engine.SEND_SPAN}(worker{pid} -> worker{1 - pid})") in names
+        assert (pid, f"{_shipping.SEND_SPAN}(worker{pid} -> worker{1 - pid})") in names
     with open(tmp_path / "pipeline_timeline.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -479,7 +482,7 @@ def test_the_timeline_callback_records_the_chosen_steps_on_every_rank(rpc_world,
     first = min(at(rank, steps[rank][2][0]) for rank in trainers) - slack
     last = max(at(rank, steps[rank][3][1]) for rank in trainers) + slack
     assert all(first <= e["ts"] and e["ts"] + e["dur"] <= last for e in served)
-    assert any(e["name"].startswith(_engine.RECEIVE_SPAN) for e in served)
+    assert any(e["name"].startswith(_shipping.RECEIVE_SPAN) for e in served)
 
 
 def test_the_timeline_callback_rejects_a_bad_window_and_another_strategy(tmp_path):

@@ -18,9 +18,8 @@ import torch
 
 from ..rpc import _internal
 from ..rpc._internal import Kind, register_one_way, run_recorded
-from . import _engine, _messages
-from ._context import DistAutogradContext, check_context_id
-from ._engine import container
+from . import _context, _engine, _messages, _shipping
+from ._context import DistAutogradContext, check_context_id, container
 from ._functions import record_recv, record_send
 from ._messages import ContextRelease
 
@@ -207,12 +206,12 @@ def _get_debug_info() -> dict[str, int]:
 
 class _AutogradHooks(_internal.AutogradHooks):
     def on_init(self, worker_id: int) -> None:
-        _engine.init_container(worker_id)
+        _context.init_container(worker_id)
 
     def outgoing(
         self, dst_id: int, tensors: list[torch.Tensor], force: bool, ctx_id: int | None = None
     ) -> Any:
-        cont = _engine._container
+        cont = _context.current_container()
         if cont is None:
             return None
         responding = ctx_id is not None
@@ -270,17 +269,17 @@ class _AutogradHooks(_internal.AutogradHooks):
     def context_of(self, meta: Any) -> int | None:
         if meta is None:
             return None
-        cont = _engine._container
+        cont = _context.current_container()
         if cont is None or cont.get_or_create(meta[0]) is None:
             return None  # released already: run without recording
         return meta[0]
 
     def current_context(self) -> int | None:
-        cont = _engine._container
+        cont = _context.current_container()
         return cont.current_id() if cont is not None else None
 
     def call_in(self, ctx_id: int | None, fn: Callable[..., Any], *args: Any) -> Any:
-        cont = _engine._container
+        cont = _context.current_container()
         previous = cont.current_id() if cont is not None else ctx_id
         if previous == ctx_id:  # nothing to switch (the usual case off a user thread)
             return fn(*args)
@@ -304,7 +303,7 @@ def _on_context_release(source: int, body: ContextRelease, tensors: list) -> Non
 
 _internal.install_autograd_hooks(_AutogradHooks())
 register_one_way(Kind.CONTEXT_RELEASE, ContextRelease, _on_context_release)
-register_one_way(Kind.CREDIT, _messages.CreditReturn, _engine.on_credit)
+register_one_way(Kind.CREDIT, _messages.CreditReturn, _shipping.on_credit)
 register_one_way(
     Kind.GRADIENTS,
     _messages.Gradients,

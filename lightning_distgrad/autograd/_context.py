@@ -254,3 +254,25 @@ class ContextContainer:
     def all_contexts(self) -> list[DistAutogradContext]:
         with self._lock:
             return list(self._contexts.values())
+
+
+_container: ContextContainer | None = None
+
+
+def container() -> ContextContainer:
+    """This worker's contexts (``init_rpc`` makes them)."""
+    if _container is None:
+        raise RuntimeError(
+            "Need to initialize distributed autograd using lightning_distgrad.rpc.init_rpc() first."
+        )
+    return _container
+
+
+def current_container() -> ContextContainer | None:
+    """This worker's contexts, or None before ``init_rpc``."""
+    return _container
+
+
+def init_container(worker_id: int) -> None:
+    global _container
+    _container = ContextContainer(worker_id)

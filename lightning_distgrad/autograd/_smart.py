@@ -21,7 +21,8 @@ send waits.
 from __future__ import annotations
 
 from ..rpc import _internal
-from . import _engine
+from . import _shipping
+from ._context import container
 from ._credit import ALL_CREDIT, split_credit
 from ._pass import Pass
 
@@ -34,7 +35,7 @@ def settle_waiting_sends(p: Pass, latest: dict[int, list], involved: set[int]) -
     sends left (empty unless an error or timeout cut the pass short; the error
     is then in ``p.error``).
     """
-    me = _engine.container().worker_id
+    me = container().worker_id
     while True:
         states = _probe(p, latest, involved, me)
         waiting = [item for pending, _ in states.values() for item in pending]
@@ -52,10 +53,10 @@ def settle_waiting_sends(p: Pass, latest: dict[int, list], involved: set[int]) -
             )
         p.new_round()
         _resolve(p, dead, me)
-        _engine._wait_for_credit(p)
+        _shipping.wait_for_credit(p)
         if p.error is not None:
             return {w: pending for w, (pending, _) in states.items()}
-        latest = _engine._latest_reports(p.reports + [p.report(me)])
+        latest = _shipping.latest_reports(p.reports + [p.report(me)])
 
 
 def _probe(
@@ -101,11 +102,11 @@ def probe_here(context_id: int, pass_id: tuple, retain_graph: bool) -> tuple[lis
     from its sends); one whose part is over, or that released the context,
     has neither.
     """
-    cont = _engine.container()
+    cont = container()
     ctx = cont.find(context_id)
     if ctx is None or ctx.ended_pass_id == pass_id:
         return [], []
-    p = _engine._worker_pass(ctx, pass_id, retain_graph)
+    p = _shipping.worker_pass(ctx, pass_id, retain_graph)
     return p.report(cont.worker_id)[2], p.waiting_recvs()
 
 
@@ -117,9 +118,9 @@ def _resolve(p: Pass, dead: dict[int, list[int]], me: int) -> None:
     for worker, msg_ids in sorted(dead.items()):
         items = [(msg_id, None) for msg_id in msg_ids]
         if worker == me:
-            _engine.deliver_and_ship(p, share, p.deliver_sends, items)
+            _shipping.deliver_and_ship(p, share, p.deliver_sends, items)
             continue
         try:
-            _engine.send_gradients(agent, worker, p, items, share, None)
+            _shipping.send_gradients(agent, worker, p, items, share, None)
         except Exception as e:  # never sent: its credit comes back here
-            p.return_credit(share, None, _engine._wrap_error(me, e))
+            p.return_credit(share, None, _shipping.wrap_error(me, e))
