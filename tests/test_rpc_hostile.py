@@ -292,13 +292,13 @@ def test_graceful_shutdown_ends_after_frames_no_agent_sent(rpc_stopped, monkeypa
     rpc.init_rpc()
     agent = dispatch.require_agent()
     monkeypatch.setattr(agent.transport._receiver, "transfer_timeout", 1.0)
-    send_past_the_agent(agent.transport.ctrl, seed=world.rank, count=300)
+    send_past_the_agent(agent.transport.comms.ctrl, seed=world.rank, count=300)
     world.barrier()
     for distance in range(world.size):
         assert answers_normally_to(world.peer(distance))
     running = rpc.rpc_async(world.peer(), slow_add, (0.5, world.rank))
     # No barrier: these land while the job drains.
-    send_past_the_agent(agent.transport.ctrl, seed=1000 + world.rank, count=100)
+    send_past_the_agent(agent.transport.comms.ctrl, seed=1000 + world.rank, count=100)
     returned = threading.Event()
 
     def shut_down() -> None:

@@ -137,9 +137,9 @@ def _pushed_request(transport, world, nbytes: int) -> tuple[rpc.Future, tuple[in
         # dst between our post and the read: both happen under the transport's lock.
         with transport._lock:
             transport._sender.post(dst, frame.dumps((meta,)), [], "raw", [])
-            tag = (transport._sender.next_seq[dst] - 1) % transport._tag_mod
+            tag = (transport._sender.next_seq[dst] - 1) % transport.comms.tag_mod
         transport._bell.ring(dst)
-        tags.append(direct_writes.push_tags(tag, transport._tag_mod))
+        tags.append(direct_writes.push_tags(tag, transport.comms.tag_mod))
 
     transport.send = hostile
     try:
@@ -152,7 +152,7 @@ def _pushed_request(transport, world, nbytes: int) -> tuple[rpc.Future, tuple[in
 def _clear_to_send(transport, peer: int, tag: int) -> np.ndarray:
     header = np.zeros(2, dtype=np.uint64)
     with transport._lock:
-        request = transport.push.Irecv([header, MPI.BYTE], peer, tag)
+        request = transport.comms.push.Irecv([header, MPI.BYTE], peer, tag)
     assert wait_until(lambda: _locked_test(transport, request)), "no clear-to-send came"
     return header
 
@@ -164,7 +164,7 @@ def _locked_test(transport, request) -> bool:
 
 def _done(transport, peer: int, tag: int, outcome: int) -> None:
     with transport._lock:
-        transport.push.Isend([np.array([outcome], dtype=np.int64), MPI.BYTE], peer, tag).Wait()
+        transport.comms.push.Isend([np.array([outcome], dtype=np.int64), MPI.BYTE], peer, tag).Wait()
 
 
 @mpi

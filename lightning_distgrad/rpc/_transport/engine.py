@@ -22,10 +22,7 @@ their own state, under the same lock. Big tensors to a peer on this node are
 written by the sender into the receiver's buffer (see ``direct_writes``); the
 polling thread makes those writes outside the lock.
 
-Communicators (all duplicates of the user's, so no one else's traffic can
-match ours): ``ctrl`` carries frames (probed with ANY_SOURCE), ``data`` carries
-tensor bytes matched by exact (source, tag), ``push`` the control messages of
-pushed tensors, ``coll`` carries the shutdown collectives.
+The communicators are private duplicates of the user's (see ``communicators``).
 """
 
 from __future__ import annotations
@@ -45,11 +42,12 @@ from mpi4py import MPI
 
 from ..._backoff import NAP_MAX_S, nap_until
 from . import sparse
+from .communicators import Communicators
 from .direct_writes import PushSend
 from .doorbell import ArmedBackoff, node_doorbell
 from .fail_stop import abort_mpi_job
 from .frames import Frame, FrameLimits, MalformedFrame
-from .progress import ProgressRole, default_modes, in_default_modes
+from .progress import Poller, ProgressRole, default_modes, in_default_modes
 from .receiving import Receiver
 from .sending import Sender
 from .timers import Timers
@@ -68,22 +66,10 @@ QUIET_NAP_S = 0.004
 STEPPED_ASIDE_NAP_S = 0.02
 
 
-class Poller(enum.Enum):
-    """Which thread polls MPI."""
-
-    PROGRESS_THREAD = "progress thread"
-    WAITER = "a thread waiting for a result"
-
-
 class State(enum.Enum):
     RUNNING = "running"
     STOPPING = "stopping"  # flushing queued sends, then the progress thread exits
     STOPPED = "stopped"
-
-
-#: Communicators of stopped transports that may still receive stale messages (see
-#: :meth:`Transport.free`): kept for the life of the process.
-_UNDRAINED_COMMS: list[MPI.Comm] = []
 
 
 class Transport:
@@ -114,22 +100,18 @@ class Transport:
                 f"higher (got level {MPI.Query_thread()}); do not lower "
                 "mpi4py.rc.thread_level (its default, 'multiple', works)"
             )
-        self.ctrl = comm.Dup()
-        self.data = comm.Dup()
-        self.push = comm.Dup()
-        self.coll = comm.Dup()
+        self.comms = comms = Communicators(comm)
         self.rank = comm.Get_rank()
-        self._tag_mod = min((self.ctrl.Get_attr(MPI.TAG_UB) or 32767) + 1, 1 << 20)
         self._bell, oversubscribed = node_doorbell(comm, self.rank)
         # Spinning only pays where every rank of the node has a core of its own.
         self.spin = not oversubscribed
         self._on_frame = on_frame
         self._on_malformed = on_malformed
         self._receiver = Receiver(
-            self.ctrl, self.data, self.push, limits, transfer_timeout, self._tag_mod
+            comms.ctrl, comms.data, comms.push, limits, transfer_timeout, comms.tag_mod
         )
         self._sender = Sender(
-            self.ctrl, self.data, self.push, transfer_timeout, self._tag_mod, cuda_ranks
+            comms.ctrl, comms.data, comms.push, transfer_timeout, comms.tag_mod, cuda_ranks
         )
         # Everything below is guarded by _lock.
         self._lock = threading.Lock()
@@ -289,7 +271,7 @@ class Transport:
         send = np.array(values, dtype=np.int64)
         recv = np.zeros_like(send)
         with self._lock:
-            request = self.coll.Iallreduce(send, recv, MPI.SUM)
+            request = self.comms.coll.Iallreduce(send, recv, MPI.SUM)
 
         def finished() -> bool:
             with self._lock:
@@ -307,20 +289,8 @@ class Transport:
         self._role.join()
 
     def free(self, drained: bool = True) -> None:
-        """Release the communicators; ``drained``: no frame can still be in flight to or
-        from this rank on them (a graceful shutdown made sure of it).
-
-        Otherwise they are kept, never freed: MPI reuses a freed communicator's context
-        id for the next ``Dup``, and messages still arriving for the old one (a peer's
-        requests after a ``shutdown(graceful=False)``, a timed-out collective) would be
-        received by the next ``init_rpc``'s agent as its own.
-        """
-        comms = (self.ctrl, self.data, self.push, self.coll)
-        if drained:
-            for comm in comms:
-                comm.Free()
-        else:
-            _UNDRAINED_COMMS.extend(comms)
+        """Release the communicators (see ``Communicators.free``) and the doorbell."""
+        self.comms.free(drained)
         self._bell.close()
 
     # -- polling ----------------------------------------------------------------
@@ -375,8 +345,11 @@ class Transport:
                         backoff.reset()
                 elif backoff is None:
                     os.sched_yield()
-                elif backoff.sleep(0.0, self._until_next_timer()):
-                    backoff.reset()
+                else:
+                    with self._lock:
+                        limit = self._timers.until_next(time.monotonic())
+                    if backoff.sleep(0.0, limit):
+                        backoff.reset()
         finally:
             if backoff is not None:
                 backoff.reset()
@@ -448,7 +421,8 @@ class Transport:
                 break
             self._run(fn)
         with self._lock:
-            progressed = self._post_and_poll()
+            progressed = self._receiver.poll(self._ready)
+            progressed = self._sender.poll() | progressed
             now = time.monotonic()
             if progressed:
                 self._last_traffic = now
@@ -520,13 +494,3 @@ class Transport:
                 self._on_malformed(source, error)
                 return
         self._on_frame(source, frame, tensors)
-
-    # -- under the lock ----------------------------------------------------------
-
-    def _post_and_poll(self) -> bool:
-        progressed = self._receiver.poll(self._ready)
-        return self._sender.poll() | progressed
-
-    def _until_next_timer(self) -> float:
-        with self._lock:
-            return self._timers.until_next(time.monotonic())

@@ -18,6 +18,7 @@ spell, then looks every :data:`WATCH_S` until :data:`QUIET_S` pass without one.
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 import threading
 import time
@@ -31,6 +32,14 @@ WATCH_S = 0.005
 QUIET_S = 0.1
 #: ``ProgressRole._standby`` while a standby thread starts.
 _STARTING = -1
+
+
+class Poller(enum.Enum):
+    """Which thread polls MPI: the holder of the progress role, or a thread that waits for
+    a result and polls in its place (``Transport.drive_until``)."""
+
+    PROGRESS_THREAD = "progress thread"
+    WAITER = "a thread waiting for a result"
 
 
 class ProgressRole:
