@@ -1,15 +1,11 @@
-"""The private torch, Lightning and Python APIs the package uses, and the releases it supports.
+"""The private torch, Lightning and Python APIs the package uses.
 
 Every private name the package relies on is resolved here and nowhere else, each with a comment
 naming the public API it waits for (or that none exists) and the releases where it differs.
 Where one of them changes in a new release, this module is the one place to adapt. torch's
 names are resolved at import, Lightning's are checked by :func:`check_lightning_hooks`; a
-missing one raises ``ImportError`` naming it.
-
-Importing the package checks the installed torch against :data:`SUPPORTED_TORCH`, and importing
-``lightning_distgrad.lightning`` checks Lightning against :data:`SUPPORTED_LIGHTNING`: a release
-below the floor raises ``ImportError`` saying what it lacks; one newer than the newest tested
-warns once per package and process, and runs.
+missing one raises ``ImportError`` naming it. The releases it supports are in ``_versions``,
+which checks the installed torch first.
 
 Lightning's names are imported on first use (``from lightning_distgrad._compat import
 Launcher``), never at package import: RPC-only programs do not load Lightning.
@@ -20,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import re
 import sys
 import threading
 import warnings
@@ -29,92 +24,11 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "SUPPORTED_LIGHTNING",
-    "SUPPORTED_TORCH",
-    "check_lightning_version",
-    "check_torch_version",
-    "check_lightning_hooks",
-    "check_version",
-]
+from ._versions import SUPPORTED_LIGHTNING, check_torch_version, describe
 
-#: ``(floor, newest tested)`` ``(major, minor)`` releases of torch; CI tests both ends.
-SUPPORTED_TORCH = ((2, 5), (2, 14))
-#: The same for Lightning.
-SUPPORTED_LIGHTNING = ((2, 4), (2, 6))
-#: What each package's floor is for: the error below it names this.
-_FLOOR_REASON = {
-    "torch": "its distributed backward pass restarts torch's autograd engine from GradientEdge"
-    " roots (torch.autograd.graph.GradientEdge), which the engine accepts from torch 2.5 on",
-    "lightning": "its strategy overrides Strategy hooks that Lightning has had since 2.4",
-}
+__all__ = ["check_lightning_hooks"]
 
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def _release(version: str) -> tuple[int, int] | None:
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return (int(match.group(1)), int(match.group(2))) if match else None
-
-
-def _describe(supported: tuple[tuple[int, int], tuple[int, int]]) -> str:
-    (lo_major, lo_minor), (hi_major, hi_minor) = supported
-    return f"{lo_major}.{lo_minor} to {hi_major}.{hi_minor}"
-
-
-def check_version(
-    package: str, found: str, supported: tuple[tuple[int, int], tuple[int, int]]
-) -> None:
-    """Check ``found``, the installed version of ``package``, against ``supported``.
-
-    ``supported`` is ``(floor, newest tested)`` as ``(major, minor)``. Below the floor this
-    raises ``ImportError`` naming what the package needs; above the newest tested release (or
-    for a version that names no release) it warns once per package and process; in between
-    it returns silently.
-
-    Example::
-
-        >>> check_version("torch", "2.13.1+cpu", ((2, 5), (2, 14)))  # supported: returns
-        >>> check_version("torch", "2.4.1", ((2, 5), (2, 14)))  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ImportError: lightning_distgrad needs torch 2.5 or newer (supported: 2.5 to 2.14), ...
-    """
-    release = _release(found)
-    floor, newest = supported
-    if release is not None and release < floor:
-        raise ImportError(
-            f"lightning_distgrad needs {package} {floor[0]}.{floor[1]} or newer (supported:"
-            f" {_describe(supported)}), but {package} {found} is installed:"
-            f" {_FLOOR_REASON[package]}. HINT: pip install '{package}>={floor[0]}.{floor[1]}'"
-        )
-    if release is not None and release <= newest:
-        return
-    with _warned_lock:
-        if package in _warned:
-            return
-        _warned.add(package)
-    warnings.warn(
-        f"lightning_distgrad is tested with {package} {_describe(supported)}, not with {package}"
-        f" {found}. It relies on a few private APIs (lightning_distgrad._compat): one that is"
-        " gone raises ImportError naming it, and a changed one may misbehave.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-
-
-def check_torch_version() -> None:
-    """:func:`check_version` for the installed torch (when the package is imported)."""
-    check_version("torch", torch.__version__, SUPPORTED_TORCH)
-
-
-def check_lightning_version() -> None:
-    """:func:`check_version` for the installed Lightning (``lightning_distgrad.lightning``)."""
-    import lightning
-
-    check_version("lightning", lightning.__version__, SUPPORTED_LIGHTNING)
-
-
+# Resolved after the version check: below the floor, that error names the cause.
 check_torch_version()
 
 
@@ -137,7 +51,7 @@ def _private(module: str, name: str) -> Any:
         raise ImportError(
             f"lightning_distgrad needs the private {module}.{name}, which the installed"
             f" {parts[0]} lacks. HINT: install a {parts[0]} release that lightning_distgrad"
-            " supports (SUPPORTED_TORCH and SUPPORTED_LIGHTNING in lightning_distgrad._compat)."
+            " supports (SUPPORTED_TORCH and SUPPORTED_LIGHTNING in lightning_distgrad._versions)."
         ) from None
 
 
@@ -556,7 +470,7 @@ def check_lightning_hooks() -> None:
             raise ImportError(
                 f"lightning_distgrad overrides or calls {module}.{cls}.{name}, which the"
                 " installed Lightning lacks. HINT: install a Lightning version that"
-                f" lightning_distgrad is tested with ({_describe(SUPPORTED_LIGHTNING)})."
+                f" lightning_distgrad is tested with ({describe(SUPPORTED_LIGHTNING)})."
             )
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from _job_runner import clean_env
 
-from lightning_distgrad import _compat
+from lightning_distgrad import _compat, _versions
 
 SUPPORTED = ((2, 5), (2, 14))
 
@@ -26,7 +26,7 @@ SUPPORTED = ((2, 5), (2, 14))
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Each test starts with no newer release warned about."""
-    monkeypatch.setattr(_compat, "_warned", set())
+    monkeypatch.setattr(_versions, "_warned", set())
 
 
 @pytest.mark.parametrize(
@@ -35,13 +35,13 @@ def fresh_warnings(monkeypatch):
 def test_a_supported_release_passes_silently(found):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _compat.check_version("torch", found, SUPPORTED)
+        _versions.check_version("torch", found, SUPPORTED)
 
 
 @pytest.mark.parametrize("found", ["2.4.1", "2.0.0+cu118", "1.13.1"])
 def test_a_release_below_the_floor_raises_naming_the_missing_engine_feature(found):
     with pytest.raises(ImportError) as info:
-        _compat.check_version("torch", found, SUPPORTED)
+        _versions.check_version("torch", found, SUPPORTED)
     text = str(info.value)
     assert f"needs torch 2.5 or newer (supported: 2.5 to 2.14), but torch {found} is" in text
     assert "GradientEdge roots" in text
@@ -52,7 +52,7 @@ def test_a_release_below_the_floor_raises_naming_the_missing_engine_feature(foun
 def test_a_newer_release_warns_once_and_runs(found):
     with pytest.warns(RuntimeWarning) as caught:
         for _ in range(3):
-            _compat.check_version("torch", found, SUPPORTED)
+            _versions.check_version("torch", found, SUPPORTED)
     assert [str(w.message).split(". ")[0] for w in caught] == [
         f"lightning_distgrad is tested with torch 2.5 to 2.14, not with torch {found}"
     ]
@@ -60,32 +60,34 @@ def test_a_newer_release_warns_once_and_runs(found):
 
 def test_each_package_warns_once():
     with pytest.warns(RuntimeWarning) as caught:
-        _compat.check_version("torch", "2.15.0", SUPPORTED)
-        _compat.check_version("lightning", "2.9.0", ((2, 4), (2, 6)))
-        _compat.check_version("lightning", "2.9.0", ((2, 4), (2, 6)))
+        _versions.check_version("torch", "2.15.0", SUPPORTED)
+        _versions.check_version("lightning", "2.9.0", ((2, 4), (2, 6)))
+        _versions.check_version("lightning", "2.9.0", ((2, 4), (2, 6)))
     assert len(caught) == 2
     assert "lightning 2.4 to 2.6, not with lightning 2.9.0" in str(caught[1].message)
 
 
 def test_a_lightning_below_the_floor_names_what_it_lacks():
     with pytest.raises(ImportError, match=r"Strategy hooks that Lightning has had since 2\.4"):
-        _compat.check_version("lightning", "2.3.3", ((2, 4), (2, 6)))
+        _versions.check_version("lightning", "2.3.3", ((2, 4), (2, 6)))
 
 
 def test_the_installed_releases_are_supported(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # within the tested range: no warning either
-        _compat.check_torch_version()
-        _compat.check_lightning_version()
+        _versions.check_torch_version()
+        _versions.check_lightning_version()
     _compat.check_lightning_hooks()
     installed = tuple(int(part) for part in torch.__version__.split(".")[:2])
-    assert _compat.SUPPORTED_TORCH[0] <= installed <= _compat.SUPPORTED_TORCH[1]  # CI's releases
+    assert (
+        _versions.SUPPORTED_TORCH[0] <= installed <= _versions.SUPPORTED_TORCH[1]
+    )  # CI's releases
     monkeypatch.setattr(torch, "__version__", "2.4.1")
     with pytest.raises(ImportError, match=r"torch 2\.4\.1 is installed"):
-        _compat.check_torch_version()
+        _versions.check_torch_version()
     monkeypatch.setattr(lightning, "__version__", "2.3.3")
     with pytest.raises(ImportError, match=r"lightning 2\.3\.3 is installed"):
-        _compat.check_lightning_version()
+        _versions.check_lightning_version()
 
 
 def test_a_missing_lightning_hook_is_named(monkeypatch):

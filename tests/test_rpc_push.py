@@ -164,7 +164,9 @@ def _locked_test(transport, request) -> bool:
 
 def _done(transport, peer: int, tag: int, outcome: int) -> None:
     with transport._lock:
-        transport.comms.push.Isend([np.array([outcome], dtype=np.int64), MPI.BYTE], peer, tag).Wait()
+        transport.comms.push.Isend(
+            [np.array([outcome], dtype=np.int64), MPI.BYTE], peer, tag
+        ).Wait()
 
 
 @mpi

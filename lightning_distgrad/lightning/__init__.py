@@ -4,7 +4,8 @@ Importing it checks that the installed Lightning is a tested version and has eve
 name the strategy relies on (see ``lightning_distgrad._compat``).
 """
 
-from lightning_distgrad._compat import check_lightning_hooks, check_lightning_version
+from lightning_distgrad._compat import check_lightning_hooks
+from lightning_distgrad._versions import check_lightning_version
 
 check_lightning_version()
 check_lightning_hooks()
