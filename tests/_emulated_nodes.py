@@ -36,7 +36,22 @@ def node_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """A clean job environment plus what hydra and the stand-in need."""
     names = " ".join(f"{a}={n}" for a, n in zip(NODE_ADDRESSES, NODE_NAMES, strict=True))
     # AUTOFORK=0: hydra would otherwise fork proxies for local-looking hosts itself.
-    return clean_env({"HYDRA_LAUNCHER_AUTOFORK": "0", "FAKE_NODE_NAMES": names, **(extra or {})})
+    env = {"HYDRA_LAUNCHER_AUTOFORK": "0", "FAKE_NODE_NAMES": names, "FAKE_NODE_CPUS": node_cpus()}
+    return clean_env({**env, **(extra or {})})
+
+
+def node_cpus() -> str:
+    """Each node's CPUs for ``FAKE_NODE_CPUS``: this process's CPUs dealt out among the nodes,
+    so that no two nodes share a core (as real ones do not: a rank then sees the cores of its
+    own node only, and naps instead of spinning when its node has fewer cores than ranks).
+    Empty, all nodes sharing every core, with fewer CPUs than nodes."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < len(NODE_ADDRESSES):
+        return ""
+    shares = [cpus[k :: len(NODE_ADDRESSES)] for k in range(len(NODE_ADDRESSES))]
+    return " ".join(
+        f"{a}={','.join(map(str, share))}" for a, share in zip(NODE_ADDRESSES, shares, strict=True)
+    )
 
 
 def mpiexec_two_nodes(
