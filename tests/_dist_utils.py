@@ -126,6 +126,26 @@ def wait_for_no_contexts(world, timeout: float = SETTLE_TIMEOUT_S) -> dict[str, 
     return info
 
 
+_gates: dict = {}
+_gates_lock = threading.Lock()
+
+
+def _gate(key) -> threading.Event:
+    with _gates_lock:
+        return _gates.setdefault(key, threading.Event())
+
+
+def wait_at_gate(key, value=None):
+    """Block until :func:`open_gate` ``(key)`` ran in this process (an RPC may run either);
+    then return ``value``. Fails after SETTLE_TIMEOUT_S."""
+    assert _gate(key).wait(scaled(SETTLE_TIMEOUT_S)), f"gate {key!r} was never opened"
+    return value
+
+
+def open_gate(key) -> None:
+    _gate(key).set()
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

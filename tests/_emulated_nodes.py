@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 from _job_runner import LAUNCHER, TESTS, clean_env
+from _timing import scaled
 
 #: Loopback addresses that hydra treats as two hosts (Linux routes all of 127/8 to lo).
 NODE_ADDRESSES = ("127.0.1.1", "127.0.1.2")
@@ -29,7 +30,7 @@ NODE_NAMES = ("node-a", "node-b")
 #: The ssh stand-in that hydra's launcher runs.
 STAND_IN = TESTS / "fake_node_ssh.sh"
 #: Bound for the probes of :func:`skip_reason`.
-PROBE_TIMEOUT_S = 20
+PROBE_TIMEOUT_S = scaled(20)
 
 
 def node_env(extra: dict[str, str] | None = None) -> dict[str, str]:

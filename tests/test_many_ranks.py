@@ -12,10 +12,11 @@ import sys
 
 import pytest
 from _job_runner import LAUNCHER, TESTS, mpi_job
+from _timing import scaled
 
 RANKS = 16
 #: Oversubscribed 8:1 on two cores the job takes about 30 s; a hung one is killed.
-TIMEOUT_S = 240
+TIMEOUT_S = scaled(240)
 
 
 @pytest.mark.skipif(LAUNCHER is None, reason="no MPI launcher found")

@@ -31,6 +31,8 @@ from lightning_distgrad.rpc._wire import Kind
 pytestmark = pytest.mark.mpi(min_size=2)
 
 FLOAT32 = _wire._DTYPE_CODES[torch.float32]
+#: Bounds the calls of these tests (a lost answer fails the test instead of hanging it).
+CALL_TIMEOUT_S = scaled(30)
 TIB = 1 << 40
 
 
@@ -70,7 +72,7 @@ BAD_METAS = {
 }
 
 
-def call_with_metas(world, metas, timeout=30):
+def call_with_metas(world, metas, timeout=CALL_TIMEOUT_S):
     """``rpc_sync(torch.add)`` whose frame carries ``metas`` instead of its own table."""
     transport = _core.require_agent().transport
     original = transport.send
@@ -381,7 +383,7 @@ def test_graceful_shutdown_ends_after_frames_no_agent_sent(rpc_stopped, monkeypa
 
     thread = threading.Thread(target=shut_down, daemon=True)
     thread.start()
-    thread.join(60)  # a hung shutdown fails the test, which aborts the job
+    thread.join(scaled(60))  # a hung shutdown fails the test, which aborts the job
     assert returned.is_set(), "graceful shutdown did not return"
     assert running.done() and running.wait() == world.rank + 1
 

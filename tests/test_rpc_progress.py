@@ -108,9 +108,9 @@ def test_a_ring_wakes_a_napping_peer():
     try:
         napper = threading.Thread(target=nap, daemon=True)
         napper.start()
-        assert napping.wait(60.0)
+        assert napping.wait(scaled(60.0))
         ringer.ring(1)
-        napper.join(60.0)  # a nap of 600 s that only a ring ends early
+        napper.join(scaled(60.0))  # a nap of 600 s that only a ring ends early
         assert not napper.is_alive()
     finally:
         ringer.ring(1)
@@ -199,7 +199,7 @@ def test_without_a_socket_only_this_process_can_wake_the_nap():
         nap = threading.Thread(target=second.wait, args=(600.0,))
         nap.start()
         second.ring_self()
-        nap.join(60.0)
+        nap.join(scaled(60.0))
         assert not nap.is_alive()
     finally:
         first.close()
@@ -360,7 +360,7 @@ def test_work_handed_to_the_waiting_thread_runs_there_before_it_stops():
     thread.start()
     assert wait_until(lambda: waiter is not None)
     waiter.hand_over(handler)
-    thread.join(60)
+    thread.join(scaled(60))
     assert not thread.is_alive()
     assert waiter_thread_ran == ["waiting-thread"]
     waiter.hand_over(handler)  # after its last wait: run as it stops

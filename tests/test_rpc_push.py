@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from _dist_utils import wait_until
+from _timing import scaled
 from mpi4py import MPI
 
 from lightning_distgrad import rpc
@@ -142,7 +143,7 @@ def _pushed_request(transport, world, nbytes: int) -> tuple[rpc.Future, tuple[in
 
     transport.send = hostile
     try:
-        future = rpc.rpc_async(world.peer(), echo, (torch.ones(3),), timeout=60)
+        future = rpc.rpc_async(world.peer(), echo, (torch.ones(3),), timeout=scaled(60))
     finally:
         transport.send = original
     return future, tags[0]
