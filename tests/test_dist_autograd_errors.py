@@ -5,6 +5,7 @@ hangs in PyTorch's FAST mode but must raise here in a strict pass.
 
 from __future__ import annotations
 
+import gc
 import re
 import time
 
@@ -29,6 +30,7 @@ from _timing import scaled
 
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
+from lightning_distgrad.autograd._pass import Pass
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -221,6 +223,53 @@ def test_backward_python_udf_error(rpc_world):
         expected = local_grads(lambda ex, a, b: [(((a * b) + b + (a * b) + b) * a).sum()], t1, t2)
         assert_grads_match(dist_autograd.get_gradients(context_id), [t1, t2], expected)
         assert_no_backward_pass_anywhere(world)
+
+
+@pytest.fixture
+def collected_by_hand():
+    """Automatic garbage collection is off during the test (on every thread of this
+    process); yields a function that collects and returns the objects found only in
+    reference cycles."""
+
+    def collect() -> list:
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds goes to gc.garbage
+        try:
+            gc.collect()
+            return list(gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+
+    gc.collect()
+    gc.disable()
+    try:
+        yield collect
+    finally:
+        gc.enable()
+
+
+def test_a_failed_pass_is_freed_without_the_garbage_collector(rpc_world, collected_by_hand):
+    """The error of a failed pass, whose traceback holds the pass, does not keep the pass in
+    a reference cycle: a collection running on another thread while the next pass of the
+    context starts would clear the node objects that pass takes up (see ``Pass.close``)."""
+    world = rpc_world
+    t1 = torch.rand(3, 3, requires_grad=True)
+    t2 = torch.rand(3, 3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        rpc.rpc_sync(world.peer(), set_remote_flag, (("fail", context_id), True))
+        loss = rpc.rpc_sync(world.peer(), udf_with_backward_error, (t1, t2)).sum()
+        try:
+            dist_autograd.backward(context_id, [loss], retain_graph=True)
+        except RuntimeError as e:
+            error = str(e)
+        else:
+            error = "no error"
+        assert SIMULATED in error
+        rpc.rpc_sync(world.peer(), set_remote_flag, (("fail", context_id), None))
+        in_cycles = [o for o in collected_by_hand() if isinstance(o, Pass)]
+        assert not in_cycles, f"passes left in reference cycles: {in_cycles}"
+        dist_autograd.backward(context_id, [loss])
+        world.barrier()
 
 
 def test_multiple_backward_with_errors(rpc_world):
