@@ -122,7 +122,7 @@ class NapLog:
     (where an idle poller sleeps instead of polling), read at any moment."""
 
     def __init__(self, transport, monkeypatch):
-        self._thread = transport._thread.ident
+        self._transport = transport
         self._wait = transport._bell.wait
         self._lock = threading.Lock()
         self._total = 0.0
@@ -130,7 +130,7 @@ class NapLog:
         monkeypatch.setattr(transport._bell, "wait", self._timed_wait)
 
     def _timed_wait(self, timeout: float) -> None:
-        if threading.get_ident() != self._thread:
+        if not self._transport.is_progress_thread(threading.get_ident()):
             return self._wait(timeout)
         with self._lock:
             self._since = time.monotonic()
