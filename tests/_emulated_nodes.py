@@ -45,9 +45,9 @@ def node_cpus() -> str:
     """Each node's CPUs for ``FAKE_NODE_CPUS``: this process's CPUs dealt out among the nodes,
     so that no two nodes share a core (as real ones do not: a rank then sees the cores of its
     own node only, and naps instead of spinning when its node has fewer cores than ranks).
-    Empty, all nodes sharing every core, with fewer CPUs than nodes."""
+    Empty, all nodes sharing every core, with fewer CPUs than nodes or without ``taskset``."""
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < len(NODE_ADDRESSES):
+    if len(cpus) < len(NODE_ADDRESSES) or shutil.which("taskset") is None:
         return ""
     shares = [cpus[k :: len(NODE_ADDRESSES)] for k in range(len(NODE_ADDRESSES))]
     return " ".join(
