@@ -23,7 +23,7 @@ TIMEOUT_S = scaled(240)
 def test_rpc_rrefs_autograd_and_optimizer_on_16_ranks(tmp_path):
     result = mpi_job(
         RANKS,
-        [sys.executable, "-m", "mpi4py", str(TESTS / "jobs" / "many_ranks.py")],
+        [sys.executable, "-m", "mpi4py", str(TESTS / "jobs" / "many_ranks.py"), str(scaled(60))],
         TIMEOUT_S,
         tmp_path,
         {"TMPDIR": str(tmp_path)},
