@@ -16,12 +16,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+from _timing import scaled
 from torch.autograd.function import once_differentiable
 
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
 
-#: Bound for anything asynchronous to settle (context cleanup, late passes).
+#: Bound for anything asynchronous to settle (context cleanup, late passes), before
+#: :func:`_timing.scaled`.
 SETTLE_TIMEOUT_S = 30.0
 
 
@@ -53,8 +55,9 @@ def make_trainer(strategy=None, **kwargs):
 def wait_until(
     predicate: Callable[[], bool], timeout: float = SETTLE_TIMEOUT_S, interval: float = 0.005
 ) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout`` passes; returns its last value."""
-    deadline = time.monotonic() + timeout
+    """Poll ``predicate`` until it is true or ``scaled(timeout)`` s pass (see ``_timing``);
+    returns its last value."""
+    deadline = time.monotonic() + scaled(timeout)
     while True:
         if predicate():
             return True
@@ -139,7 +142,9 @@ def assert_contexts_released(
     ok = wait_until(lambda: not any(has_context(i) for i in ids), timeout)
     left = [hex(i) for i in ids if has_context(i)]
     world.barrier()
-    assert ok, f"rank {world.rank} still holds contexts {left} {timeout} s after their release"
+    assert ok, (
+        f"rank {world.rank} still holds contexts {left} {scaled(timeout):g} s after their release"
+    )
 
 
 def wait_for_no_contexts(world, timeout: float = SETTLE_TIMEOUT_S) -> dict[str, int]:
@@ -152,8 +157,30 @@ def wait_for_no_contexts(world, timeout: float = SETTLE_TIMEOUT_S) -> dict[str, 
     ok = wait_until(lambda: debug_info()["num_autograd_contexts"] == 0, timeout)
     info = debug_info()
     world.barrier()
-    assert ok, f"rank {world.rank}: contexts left {timeout} s after the last release: {info}"
+    assert ok, (
+        f"rank {world.rank}: contexts left {scaled(timeout):g} s after the last release: {info}"
+    )
     return info
+
+
+_gates: dict = {}
+_gates_lock = threading.Lock()
+
+
+def _gate(key) -> threading.Event:
+    with _gates_lock:
+        return _gates.setdefault(key, threading.Event())
+
+
+def wait_at_gate(key, value=None):
+    """Block until :func:`open_gate` ``(key)`` ran in this process (an RPC may run either);
+    then return ``value``. Fails after SETTLE_TIMEOUT_S."""
+    assert _gate(key).wait(scaled(SETTLE_TIMEOUT_S)), f"gate {key!r} was never opened"
+    return value
+
+
+def open_gate(key) -> None:
+    _gate(key).set()
 
 
 def rss_bytes() -> int:
@@ -315,7 +342,9 @@ class SimulateBackwardError(torch.autograd.Function):
 
 
 class SlowBackward(torch.autograd.Function):
-    """Identity whose backward sleeps ``flag(("sleep", key))`` seconds."""
+    """Identity whose backward sleeps ``flag(("sleep", key))`` seconds, then waits while the
+    flag ``("hold", key)`` is set (at most SETTLE_TIMEOUT_S); the flag ``("running", key)``
+    is set while it runs."""
 
     @staticmethod
     def forward(ctx, x, key):
@@ -325,7 +354,12 @@ class SlowBackward(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        time.sleep(get_flag(("sleep", ctx.key), 0.0))
+        set_flag(("running", ctx.key), True)
+        try:
+            time.sleep(get_flag(("sleep", ctx.key), 0.0))
+            wait_until(lambda: not get_flag(("hold", ctx.key), False))
+        finally:
+            set_flag(("running", ctx.key), None)
         return grad, None
 
 

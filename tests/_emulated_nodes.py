@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 from _job_runner import LAUNCHER, TESTS, clean_env
+from _timing import scaled
 
 #: Loopback addresses that hydra treats as two hosts (Linux routes all of 127/8 to lo).
 NODE_ADDRESSES = ("127.0.1.1", "127.0.1.2")
@@ -29,14 +30,29 @@ NODE_NAMES = ("node-a", "node-b")
 #: The ssh stand-in that hydra's launcher runs.
 STAND_IN = TESTS / "fake_node_ssh.sh"
 #: Bound for the probes of :func:`skip_reason`.
-PROBE_TIMEOUT_S = 20
+PROBE_TIMEOUT_S = scaled(20)
 
 
 def node_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """A clean job environment plus what hydra and the stand-in need."""
     names = " ".join(f"{a}={n}" for a, n in zip(NODE_ADDRESSES, NODE_NAMES, strict=True))
     # AUTOFORK=0: hydra would otherwise fork proxies for local-looking hosts itself.
-    return clean_env({"HYDRA_LAUNCHER_AUTOFORK": "0", "FAKE_NODE_NAMES": names, **(extra or {})})
+    env = {"HYDRA_LAUNCHER_AUTOFORK": "0", "FAKE_NODE_NAMES": names, "FAKE_NODE_CPUS": node_cpus()}
+    return clean_env({**env, **(extra or {})})
+
+
+def node_cpus() -> str:
+    """Each node's CPUs for ``FAKE_NODE_CPUS``: this process's CPUs dealt out among the nodes,
+    so that no two nodes share a core (as real ones do not: a rank then sees the cores of its
+    own node only, and naps instead of spinning when its node has fewer cores than ranks).
+    Empty, all nodes sharing every core, with fewer CPUs than nodes or without ``taskset``."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < len(NODE_ADDRESSES) or shutil.which("taskset") is None:
+        return ""
+    shares = [cpus[k :: len(NODE_ADDRESSES)] for k in range(len(NODE_ADDRESSES))]
+    return " ".join(
+        f"{a}={','.join(map(str, share))}" for a, share in zip(NODE_ADDRESSES, shares, strict=True)
+    )
 
 
 def mpiexec_two_nodes(

@@ -24,7 +24,19 @@ for pair in ${FAKE_NODE_NAMES:-}; do
         name=${pair#*=}
     fi
 done
+# FAKE_NODE_CPUS ("127.0.1.1=0 127.0.1.2=1"): the CPUs (a taskset list) the node runs on,
+# so that nodes do not share cores, as real ones do not.
+cpus=
+for pair in ${FAKE_NODE_CPUS:-}; do
+    if [[ ${pair%%=*} == "$host" ]]; then
+        cpus=${pair#*=}
+    fi
+done
+pin=()
+if [[ -n $cpus ]]; then
+    pin=(taskset -c "$cpus")
+fi
 # Like ssh, the command's words are joined and run by a shell on the "remote" side.
 # Every node starts with an empty /dev/shm of its own: nothing node-local is shared.
-exec unshare --uts --ipc --mount --propagation private \
+exec "${pin[@]}" unshare --uts --ipc --mount --propagation private \
     bash -c 'hostname "$0" && mount -t tmpfs tmpfs /dev/shm && eval "exec $1"' "$name" "$*"

@@ -27,8 +27,15 @@
 #   MPIEXEC          launcher (default: the mpiexec next to PYTHON, else on PATH)
 #   LAUNCHER         "srun" to launch the MPI passes with Slurm's srun (SRUN_MPI: its --mpi)
 #   MPI_SIZES        rank counts of the MPI passes (default "2 4")
-#   MPIEXEC_TIMEOUT  seconds before the launcher kills a hung MPI pass (default 1200)
-#   RUN_ALL_LOGS     folder for per-rank logs (default: a new temporary folder)
+#   MPIEXEC_TIMEOUT  seconds before the launcher kills a hung MPI pass (default 1200
+#                    times the slowdown factor)
+#   RUN_ALL_LOGS     folder for the logs (default: a new temporary folder)
+#   LIGHTNING_DISTGRAD_TEST_SLOWDOWN
+#                    factor for every time limit of the tests (default 1): how long they
+#                    wait for something that should happen (a reply, a job's end, a
+#                    released context) before they fail. Raise it on a slow or busy
+#                    machine: LIGHTNING_DISTGRAD_TEST_SLOWDOWN=3 bash tests/run_all.sh
+#                    (a failed pass whose log looks like a time limit says so)
 #
 # Exit code 5 (no tests collected) fails a pass, except when extra arguments were
 # given: a selection such as `-k serial_thing` may legitimately match nothing in
@@ -40,7 +47,12 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 LAUNCH=("$PYTHON" tests/mpi_launch.py)
 MPI_SIZES=${MPI_SIZES:-"2 4"}
-HANG_TIMEOUT=${MPIEXEC_TIMEOUT:-1200}
+# Fails here, saying why, if the slowdown factor is not a number > 0.
+SLOWDOWN=$(PYTHONPATH=tests "$PYTHON" -c "import _timing; print(_timing.SLOWDOWN)")
+scaled() {  # scaled SECONDS: whole seconds times the slowdown factor
+    "$PYTHON" -c "import math, sys; print(math.ceil(float(sys.argv[1]) * $SLOWDOWN))" "$1"
+}
+HANG_TIMEOUT=${MPIEXEC_TIMEOUT:-$(scaled 1200)}
 # The launcher gets the timeout from mpi_launch.py; nested jobs must not inherit it.
 unset MPIEXEC_TIMEOUT
 export OMP_NUM_THREADS=1
@@ -49,7 +61,11 @@ LOGS=${RUN_ALL_LOGS:-$(mktemp -d "${TMPDIR:-/tmp}/run_all.XXXXXX")}
 mkdir -p "$LOGS"
 
 # Hung tests dump every thread's stack into the logs well before the launcher kills the job.
-PYTEST_ARGS=(-q -p no:cacheprovider -o faulthandler_timeout=300)
+PYTEST_ARGS=(-q -p no:cacheprovider -o "faulthandler_timeout=$(scaled 300)")
+COLOR=()
+if [[ -t 1 ]]; then
+    COLOR=(--color=yes)  # the serial pass's output goes through tee
+fi
 EXTRA=("$@")
 # Test paths among the arguments replace the default `tests`.
 TARGETS=(tests)
@@ -72,6 +88,21 @@ finish() {
         echo "run_all: FAILED"
     fi
     exit "$status"
+}
+
+# A failure on time in a pytest log: an error line ("E ...") of a wait that ran out, a call
+# that timed out, a job that hung; the stack dump of a test that hung; or, in a launcher's
+# log, a pass ended at its hang timeout.
+TIME_LIMIT_PATTERN='^E .*([Tt]ime(d)? ?out|wait(_until)?\(|within|[0-9] s after|hung|still running|never (came|opened|ran))|^Timeout \(|TIMED OUT|time limit|did not end the job'
+
+# hint_on_time LOG...: on a slow or busy machine a time limit may be too short; say how to
+# raise them all when a failed pass's logs look like one.
+hint_on_time() {
+    if grep -Eqs -- "$TIME_LIMIT_PATTERN" "$@"; then
+        echo
+        echo "run_all: the failure looks like a time limit; on a slow or busy machine, raise" \
+             "them all: LIGHTNING_DISTGRAD_TEST_SLOWDOWN=3 bash tests/run_all.sh"
+    fi
 }
 
 # check NAME RC SECONDS: record the pass; stop the script unless it passed.
@@ -99,7 +130,12 @@ without_mpi_info() {
 echo "=== serial tests: $PYTHON -m pytest tests"
 t0=$SECONDS
 rc=0
-"$PYTHON" -m pytest "${PYTEST_ARGS[@]}" "${TARGETS[@]}" "${EXTRA[@]}" || rc=$?
+# Kept in a log too, for hint_on_time (pipefail: the pipeline fails as pytest does).
+"$PYTHON" -m pytest "${PYTEST_ARGS[@]}" "${COLOR[@]}" "${TARGETS[@]}" "${EXTRA[@]}" 2>&1 \
+    | tee "$LOGS/serial.out" || rc=$?
+if [[ $rc -ne 0 && $rc -ne 5 ]]; then
+    hint_on_time "$LOGS/serial.out"
+fi
 check "serial" "$rc" $((SECONDS - t0))
 
 LAUNCHER_NAME=$("${LAUNCH[@]}" --describe) || {
@@ -116,7 +152,7 @@ for n in $MPI_SIZES; do
     rc=0
     "${LAUNCH[@]}" -n "$n" --logs "$LOGS/mpi$n" --timeout "$HANG_TIMEOUT" -- \
         "$PYTHON" -m mpi4py -m pytest --with-mpi --color=no "${PYTEST_ARGS[@]}" "${TARGETS[@]}" \
-        "${EXTRA[@]}" \
+        "${EXTRA[@]}" 2>&1 | tee "$LOGS/launcher-mpi$n.out" \
         || rc=$?
     took=$((SECONDS - t0))
     if [[ $rc -eq 0 || $rc -eq 5 ]]; then
@@ -133,6 +169,7 @@ for n in $MPI_SIZES; do
                 tail -n 200 "$LOGS/mpi$n.rank$r.err"
             fi
         done
+        hint_on_time "$LOGS/mpi$n".* "$LOGS/launcher-mpi$n.out"
     fi
     check "mpi-$n" "$rc" "$took"
 done

@@ -17,6 +17,7 @@ import lightning
 import pytest
 import torch
 from _job_runner import clean_env
+from _timing import scaled
 
 from lightning_distgrad import _compat, _versions
 
@@ -125,7 +126,11 @@ def test_the_checks_run_at_import():
         """
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], env=clean_env(), capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
     )
     out = done.stdout
     assert done.returncode == 0, out + done.stderr

@@ -29,6 +29,7 @@ from _dist_utils import (
     owner_grad,
     torch_ones,
 )
+from _timing import scaled
 
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
@@ -731,7 +732,7 @@ class WaitForCalleeBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        WaitForCalleeBackward.seen.append(_callee_backward_ran.wait(10))
+        WaitForCalleeBackward.seen.append(_callee_backward_ran.wait(scaled(10)))
         return grad
 
 

@@ -18,13 +18,14 @@ from _dist_utils import (
     owner_grad,
     wait_for_no_contexts,
 )
+from _timing import scaled
 
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-JOIN_TIMEOUT_S = 240.0
+JOIN_TIMEOUT_S = scaled(240.0)
 
 
 def run_threads(n: int, target, *args) -> list[BaseException]:
@@ -66,7 +67,7 @@ def shared_weight_grad(context_id):
 
 
 def slow_add(t1, t2):
-    time.sleep(1)
+    time.sleep(0.3)
     t3 = t1 + t2
     t3.requires_grad = True
     return t3
@@ -119,7 +120,7 @@ def test_thread_local_current_context(rpc_world):
     with dist_autograd.context() as mine:
         thread = threading.Thread(target=other)
         thread.start()
-        thread.join(30)
+        thread.join(scaled(30))
         assert box["saw"] is None, "a new thread must not inherit the current context"
         assert box["current"] == box["id"] != mine
         assert box["id"] >> 48 == rpc_world.rank

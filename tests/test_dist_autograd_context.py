@@ -25,6 +25,7 @@ from _dist_utils import (
     torch_ones,
     wait_for_no_contexts,
 )
+from _timing import scaled
 
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
@@ -118,7 +119,7 @@ def test_release_of_a_context_owned_by_another_thread(rpc_world):
 
     thread = threading.Thread(target=make)
     thread.start()
-    thread.join(30)
+    thread.join(scaled(30))
     assert has_context(box["id"])
     with dist_autograd.context() as mine:
         dist_autograd._release_context(box["id"])

@@ -26,6 +26,7 @@ from _dist_utils import (
     set_flag,
     wait_for_no_contexts,
 )
+from _timing import scaled
 
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
@@ -275,7 +276,7 @@ def test_threads_running_their_own_contexts(rpc_world):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(scaled(120))
     assert not any(t.is_alive() for t in threads)
     assert not errors, errors
     assert_no_backward_pass_anywhere(world)

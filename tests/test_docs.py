@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from _job_runner import LAUNCHER, mpi_job
+from _timing import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 PUBLIC_MODULES = [
@@ -51,7 +52,9 @@ def test_public_api_has_a_docstring_with_an_example(qualname, obj):
 def test_readme_rpc_quick_start_runs_and_prints_what_it_says(tmp_path):
     script = tmp_path / "quickstart.py"
     script.write_text(readme_block("# quickstart.py"))
-    job = mpi_job(2, [sys.executable, "-m", "mpi4py", str(script)], timeout_s=120, cwd=tmp_path)
+    job = mpi_job(
+        2, [sys.executable, "-m", "mpi4py", str(script)], timeout_s=scaled(120), cwd=tmp_path
+    )
     assert job.code == 0, job.describe()
     # The values the README's comments promise: dloss/dx = w = 1, and w after one SGD step.
     assert "tensor([1., 1., 1.])" in job.output, job.describe()
@@ -66,7 +69,9 @@ def test_readme_lightning_quick_start_trains_with_a_server_rank(tmp_path):
         '    print("final", float(trainer.callback_metrics["train_loss"]))\n'
     )
     script.write_text(readme_block("# train.py") + report)
-    job = mpi_job(3, [sys.executable, "-m", "mpi4py", str(script)], timeout_s=240, cwd=tmp_path)
+    job = mpi_job(
+        3, [sys.executable, "-m", "mpi4py", str(script)], timeout_s=scaled(240), cwd=tmp_path
+    )
     assert job.code == 0, job.describe()
     final = [float(x) for x in re.findall(r"^final ([0-9.e-]+)$", job.output, re.M)]
     # Predicting 0 scores about 0.27 on these targets, their mean about 0.02.

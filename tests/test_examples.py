@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from _job_runner import LAUNCHER, mpi_job
+from _timing import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -35,7 +36,7 @@ import dist_autograd_simple  # noqa: E402
 import parameter_server  # noqa: E402
 
 #: A whole example job on a busy 2-core machine: startup of K Python processes and training.
-JOB_TIMEOUT_S = 420
+JOB_TIMEOUT_S = scaled(420)
 ATOL = 1e-5
 needs_mpiexec = pytest.mark.skipif(LAUNCHER is None, reason="no MPI launcher found")
 

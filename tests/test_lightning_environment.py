@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
+from _timing import scaled
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from mpi4py import MPI
 
@@ -29,7 +30,7 @@ class _FakeGroup:
     """What the ranks of one fake communicator share: a barrier and one slot per rank."""
 
     def __init__(self, size: int) -> None:
-        self.barrier = threading.Barrier(size, timeout=10)
+        self.barrier = threading.Barrier(size, timeout=scaled(10))
         self.slots: list[Any] = [None] * size
         self.children: dict[tuple[int, tuple[int, ...]], _FakeGroup] = {}
         self.lock = threading.Lock()
@@ -102,7 +103,7 @@ def run_ranks(hosts: Sequence[str], fn: Callable[[MPIClusterEnvironment, int], A
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=30)
+        thread.join(timeout=scaled(30))
     assert not any(thread.is_alive() for thread in threads), "a fake rank hung"
     assert not any(isinstance(r, threading.BrokenBarrierError) for r in results), results
     return results

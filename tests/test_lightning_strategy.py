@@ -22,6 +22,7 @@ import lightning as L
 import pytest
 import torch
 from _dist_utils import make_trainer
+from _timing import scaled
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
@@ -581,7 +582,7 @@ def test_package_import_registers_distgrad_without_importing_lightning():
         [sys.executable, "-c", script],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stderr[-2000:]

@@ -12,17 +12,18 @@ import sys
 
 import pytest
 from _job_runner import LAUNCHER, TESTS, mpi_job
+from _timing import scaled
 
 RANKS = 16
 #: Oversubscribed 8:1 on two cores the job takes about 30 s; a hung one is killed.
-TIMEOUT_S = 240
+TIMEOUT_S = scaled(240)
 
 
 @pytest.mark.skipif(LAUNCHER is None, reason="no MPI launcher found")
 def test_rpc_rrefs_autograd_and_optimizer_on_16_ranks(tmp_path):
     result = mpi_job(
         RANKS,
-        [sys.executable, "-m", "mpi4py", str(TESTS / "jobs" / "many_ranks.py")],
+        [sys.executable, "-m", "mpi4py", str(TESTS / "jobs" / "many_ranks.py"), str(scaled(60))],
         TIMEOUT_S,
         tmp_path,
         {"TMPDIR": str(tmp_path)},

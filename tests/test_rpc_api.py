@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 from _dist_utils import wait_until
+from _timing import scaled
 
 from lightning_distgrad import rpc
 from lightning_distgrad.rpc import WorkerInfo
@@ -58,7 +59,7 @@ def nested_remote(to, x):
 
 
 _RELEASES: dict[str, threading.Event] = {}
-RELEASE_TIMEOUT_S = 20.0
+RELEASE_TIMEOUT_S = scaled(20.0)
 
 
 def wait_for_release(key):
@@ -210,7 +211,7 @@ def test_rpc_async_returns_torch_future_with_working_then(rpc_world):
     assert torch.equal(fut.wait(), torch.full((2,), 2.0))  # waiting twice is fine
     done = threading.Event()
     fut.add_done_callback(lambda f: done.set())
-    assert done.wait(10)
+    assert done.wait(scaled(10))
 
 
 def test_a_then_callback_may_wait_for_another_rpc_async(rpc_world):

@@ -16,6 +16,8 @@ import types
 
 import pytest
 import torch
+from _dist_utils import open_gate, wait_at_gate, wait_until
+from _timing import scaled
 
 from lightning_distgrad import rpc
 from lightning_distgrad.rpc import WorkerInfo
@@ -258,7 +260,7 @@ def test_function_missing_on_callee_error_says_how_to_define_it(rpc_world):
         # Nothing was created on the owner: to_here reports the creation's error
         # instead of waiting for a value that will never exist.
         with pytest.raises(RuntimeError, match=NOT_IMPORTABLE):
-            rpc.remote(rpc_world.peer(), module.f, (1,)).to_here(timeout=20)
+            rpc.remote(rpc_world.peer(), module.f, (1,)).to_here(timeout=scaled(20))
     finally:
         delattr(this_module, name)
         del sys.modules[module.__name__]
@@ -383,7 +385,7 @@ def test_default_timeout_applies_to_calls_issued_afterwards(rpc_world):
         with pytest.raises(RuntimeError, match="RPC ran for more than"):
             rpc.rpc_sync(rpc_world.peer(), sleep_then_return, (0.6, 6))
         # An explicit timeout overrides the default.
-        assert rpc.rpc_sync(rpc_world.peer(), sleep_then_return, (0.3, 7), timeout=5) == 7
+        assert rpc.rpc_sync(rpc_world.peer(), sleep_then_return, (0.3, 7), timeout=scaled(5)) == 7
     finally:
         rpc._set_rpc_timeout(60.0)
     assert slow.wait() == 5  # issued before the change: not cut short
@@ -463,11 +465,16 @@ def test_answered_calls_stop_being_watched_while_calls_keep_coming(rpc_world):
     # One call stays pending throughout, as in any busy job: the deadlines of the
     # answered ones must still be dropped (they once piled up for a whole timeout).
     agent = dispatch.current_agent()
-    slow = rpc.rpc_async(rpc_world.peer(), sleep_then_return, (1.0, 9))
+    gate = ("watched", rpc_world.rank)
+    slow = rpc.rpc_async(rpc_world.peer(), wait_at_gate, (gate, 9))
     for _ in range(1000):
         rpc.rpc_sync(rpc_world.peer(), torch.add, (torch.ones(1), 1))
-    time.sleep(0.1)  # the timeout checks (every 10 ms) ran meanwhile
-    assert len(agent._deadlines) <= 2 * agent.num_pending() + 64
+    # The timeout checks (every 10 ms) drop them.
+    assert wait_until(lambda: len(agent._deadlines) <= 2 * agent.num_pending() + 64), (
+        f"{len(agent._deadlines)} deadlines watched for {agent.num_pending()} pending calls"
+    )
+    assert not slow.done()
+    rpc.rpc_sync(rpc_world.peer(), open_gate, (gate,))
     assert slow.wait() == 9
 
 

@@ -19,13 +19,14 @@ from pathlib import Path
 import pytest
 from _dist_utils import wait_until
 from _job_runner import LAUNCHER, TESTS, start_mpi_job
+from _timing import scaled
 
 #: Every process of the job is gone this long after the fault, or the job hung.
-BOUND_S = 30.0
+BOUND_S = scaled(30.0)
 #: A job not yet training after this long failed to start.
-START_S = 240.0
+START_S = scaled(240.0)
 #: The launcher's own kill; nothing here should get near it.
-JOB_TIMEOUT_S = 600
+JOB_TIMEOUT_S = scaled(600)
 RANKS = 3
 
 pytestmark = pytest.mark.skipif(LAUNCHER is None, reason="no MPI launcher found")

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from _timing import scaled
 from mpi4py import MPI
 
 from lightning_distgrad import rpc
@@ -142,7 +143,7 @@ def test_bad_shutdown_timeout_raises_before_shutting_down(rpc_stopped):
         ):
             rpc.shutdown(timeout=bad)
     assert_works(rpc_stopped.names)  # still running
-    rpc.shutdown(timeout=30)
+    rpc.shutdown(timeout=scaled(30))
 
 
 def test_rref_used_after_shutdown_raises(rpc_stopped):
@@ -286,7 +287,7 @@ def test_requests_right_after_init_rpc_are_served(rpc_stopped):
         rrefs = [rpc.remote(n, torch.add, (torch.ones(1), r)) for r, n in enumerate(names)]
         futs = [rpc.rpc_async(n, world_rank) for n in names]
         assert [f.wait() for f in futs] == list(range(rpc_stopped.size))
-        assert [int(r.to_here(timeout=30).item()) for r in rrefs] == [
+        assert [int(r.to_here(timeout=scaled(30)).item()) for r in rrefs] == [
             1 + r for r in range(rpc_stopped.size)
         ]
         del rrefs
@@ -332,7 +333,7 @@ def test_user_rrefs_stay_valid_until_every_worker_called_shutdown(rpc_stopped):
     if rpc_stopped.rank == 0:
         fut = rpc.rpc_async(rpc_stopped.names[1], fetch_later, (rpc.RRef(torch.ones(2)), 0.5))
     elif rpc_stopped.rank == 1:
-        assert _handler_started.wait(60)  # the request (and its user RRef) is here
+        assert _handler_started.wait(scaled(60))  # the request (and its user RRef) is here
     rpc_stopped.barrier()
     if fut is not None:
         assert torch.equal(fut.wait(), torch.ones(2))

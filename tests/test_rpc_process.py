@@ -15,9 +15,19 @@ import textwrap
 
 import mpi_launch
 import pytest
+from _timing import scaled
 
 #: A hung job is killed after this long; a job that works ends far sooner.
-JOB_TIMEOUT_S = 180
+JOB_TIMEOUT_S = scaled(180)
+#: The timeouts the frozen-peer jobs set (and see fire): of a call, of a timed shutdown, and
+#: the RPC timeout after which an unanswered liveness ping ends a default shutdown (that
+#: one scaled: the healthy ranks must answer their pings within it).
+CALL_TIMEOUT_S = 1
+SHUTDOWN_TIMEOUT_S = 2
+PING_TIMEOUT_S = round(scaled(2), 1)
+#: A timed shutdown raises at most this long after its timeout: far less than the RPC
+#: timeout (60 s) that a shutdown ignoring its own timeout would wait for.
+SHUTDOWN_RAISE_BOUND_S = scaled(10)
 LAUNCHER = mpi_launch.find_launcher()
 
 needs_mpiexec = pytest.mark.skipif(LAUNCHER is None, reason="no MPI launcher found")
@@ -84,7 +94,7 @@ SINGLE_PROCESS_LIFECYCLE = """
 """
 
 
-FROZEN_PEER_TIMEOUT = """
+FROZEN_PEER_TIMEOUT = f"""
     import os, signal, time
     import torch
     from mpi4py import MPI
@@ -99,28 +109,30 @@ FROZEN_PEER_TIMEOUT = """
     time.sleep(0.5)
     if me == 0:
         try:
-            rpc.rpc_sync("worker2", torch.add, (torch.ones(1), 1), timeout=2)
+            rpc.rpc_sync("worker2", torch.add, (torch.ones(1), 1), timeout={CALL_TIMEOUT_S})
         except RuntimeError as e:
-            print(f"call failed: {e}", flush=True)
+            print(f"call failed: {{e}}", flush=True)
     start = time.monotonic()
     try:
-        rpc.shutdown(timeout=5)
+        rpc.shutdown(timeout={SHUTDOWN_TIMEOUT_S})
     except RuntimeError as e:
-        print(f"rank {me} shutdown raised after {time.monotonic() - start:.1f} s: {e}",
+        print(f"rank {{me}} shutdown raised after {{time.monotonic() - start:.2f}} s: {{e}}",
               flush=True)
-    time.sleep(1.0)
+    if me == 1:
+        MPI.COMM_WORLD.send("printed", dest=0)
     if me == 0:
+        MPI.COMM_WORLD.recv(source=1)  # rank 1's line is out
         MPI.COMM_WORLD.Abort(3)  # the only way to end a job with a stopped rank
-    time.sleep(60)
+    time.sleep(600)
 """
 
-FROZEN_PEER_DEFAULT = """
+FROZEN_PEER_DEFAULT = f"""
     import os, signal, time
     import torch
     from mpi4py import MPI
     import lightning_distgrad.rpc as rpc
 
-    rpc.init_rpc(rpc_backend_options=rpc.MPIRpcBackendOptions(rpc_timeout=3))
+    rpc.init_rpc(rpc_backend_options=rpc.MPIRpcBackendOptions(rpc_timeout={PING_TIMEOUT_S}))
     me = rpc.get_worker_info().id
     rpc.rpc_sync((me + 1) % 3, torch.add, (torch.ones(1), 1))
     MPI.COMM_WORLD.Barrier()
@@ -128,7 +140,7 @@ FROZEN_PEER_DEFAULT = """
         os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(0.5)
     rpc.shutdown()
-    print(f"rank {me} shutdown returned", flush=True)
+    print(f"rank {{me}} shutdown returned", flush=True)
 """
 
 
@@ -236,17 +248,19 @@ def test_single_process_lifecycle_without_mpiexec(jobs):
 @needs_mpiexec
 @pytest.mark.job("frozen-peer-timeout")
 def test_a_frozen_peer_bounds_calls_and_a_timed_shutdown(jobs):
-    """A stopped rank (SIGSTOP): a call to it times out naming it, and shutdown(timeout=5)
-    raises on every healthy rank within 5 + 2 s, naming the worker that did not join."""
+    """A stopped rank (SIGSTOP): a call to it times out naming it, and a timed shutdown
+    raises on every healthy rank once its timeout passed, naming the worker that did not
+    join."""
     out = finished(jobs["frozen-peer-timeout"]).output
-    assert "call failed: RPC ran for more than set timeout (2000 ms)" in out, out
+    said = f"call failed: RPC ran for more than set timeout ({CALL_TIMEOUT_S * 1000} ms)"
+    assert said in out, out
     assert "(call to worker2, rank 2)" in out, out
     for rank in (0, 1):
         said = f"rank {rank} shutdown raised"
         line = next((ln for ln in out.splitlines() if ln.startswith(said)), None)
         assert line is not None, out
         seconds = float(line.split(" after ")[1].split(" s")[0])
-        assert seconds <= 7.0, line
+        assert 0.9 * SHUTDOWN_TIMEOUT_S <= seconds <= SHUTDOWN_TIMEOUT_S + SHUTDOWN_RAISE_BOUND_S
         assert "worker2 (rank 2) did not call shutdown" in line, line
 
 
@@ -254,10 +268,10 @@ def test_a_frozen_peer_bounds_calls_and_a_timed_shutdown(jobs):
 @pytest.mark.job("frozen-peer-default")
 def test_a_frozen_peer_ends_a_default_shutdown_by_aborting_the_job(jobs):
     """Without a timeout, shutdown waits for workers that answer; one that leaves a
-    liveness ping unanswered for the RPC timeout (3 s here) ends the job, named."""
+    liveness ping unanswered for the RPC timeout ends the job, named."""
     result = finished(jobs["frozen-peer-default"])
-    code, out, seconds = result.code, result.output, result.seconds
+    code, out = result.code, result.output
     assert code != 0, out
-    assert "worker2 (rank 2) did not answer for 3 s" in out, out
+    assert f"worker2 (rank 2) did not answer for {PING_TIMEOUT_S:g} s" in out, out
     assert "shutdown returned" not in out, out
-    assert seconds < 60, out
+    assert result.seconds < scaled(60), out

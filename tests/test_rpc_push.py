@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from _dist_utils import wait_until
+from _timing import scaled
 from mpi4py import MPI
 
 from lightning_distgrad import rpc
@@ -143,7 +144,7 @@ def _pushed_request(transport, world, nbytes: int) -> tuple[rpc.Future, tuple[in
 
     transport.send = hostile
     try:
-        future = rpc.rpc_async(world.peer(), echo, (torch.ones(3),), timeout=60)
+        future = rpc.rpc_async(world.peer(), echo, (torch.ones(3),), timeout=scaled(60))
     finally:
         transport.send = original
     return future, tags[0]
@@ -202,12 +203,12 @@ def test_a_push_never_written_is_abandoned_and_its_buffer_kept_until_done(
     """The receiver gives up at the transfer deadline, but keeps the buffer it named
     until the sender's DONE: a late write must never land in freed memory."""
     receiver = transport._receiver
-    monkeypatch.setattr(receiver, "transfer_timeout", 1.0)
+    monkeypatch.setattr(receiver, "transfer_timeout", 0.3)
     rpc_world.barrier()
     peer = rpc_world.peer_rank()
     future, (cts, done) = _pushed_request(transport, rpc_world, 4 * N)
     header = _clear_to_send(transport, peer, cts)
-    with pytest.raises(RuntimeError, match="did not arrive within 1 s"):
+    with pytest.raises(RuntimeError, match="did not arrive within 0.3 s"):
         future.wait()
     rpc_world.barrier()  # both receivers abandoned their transfer
     assert len(receiver.promised) == 1 and receiver.promised[0][1][0].numel() == N

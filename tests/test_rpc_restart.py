@@ -13,6 +13,7 @@ import threading
 
 import pytest
 import torch
+from _timing import scaled
 
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
@@ -20,7 +21,7 @@ from lightning_distgrad import rpc
 pytestmark = pytest.mark.mpi(min_size=2)
 
 #: Seconds a graceful shutdown may take here before the test fails instead of hanging.
-SHUTDOWN_TIMEOUT_S = 60.0
+SHUTDOWN_TIMEOUT_S = scaled(60.0)
 
 _seen: list = []
 _seen_lock = threading.Lock()
@@ -34,7 +35,7 @@ def record(tag):
 
 
 def fetch(rref):
-    return rref.to_here(timeout=10)
+    return rref.to_here(timeout=scaled(10))
 
 
 def seen() -> list:
@@ -127,6 +128,6 @@ def test_rref_of_a_shut_down_session_is_refused_in_the_next(rpc_stopped):
     gc.collect()
     world.barrier()
     assert torch.equal(rpc.rpc_sync(world.peer(), fetch, (new,)), torch.full((2,), 6.0))
-    assert torch.equal(new.to_here(timeout=10), torch.full((2,), 6.0))
+    assert torch.equal(new.to_here(timeout=scaled(10)), torch.full((2,), 6.0))
     world.barrier()
     rpc.shutdown(timeout=SHUTDOWN_TIMEOUT_S)

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from _timing import scaled
 from mpi4py import MPI
 
 import lightning_distgrad.autograd as dist_autograd
@@ -53,7 +54,7 @@ _released = threading.Event()
 
 def wait_for_release():
     """Blocks its worker thread until :func:`release` runs on the same worker."""
-    if not _released.wait(30):
+    if not _released.wait(scaled(30)):
         raise TimeoutError("never released")
     return 1
 
@@ -165,7 +166,7 @@ def test_a_remote_errors_text_shows_line_breaks_not_escapes(rpc_world):
 def test_wait_all_raises_a_failed_rpcs_error_without_waiting_for_the_others(rpc_world):
     _released.clear()
     rpc_world.barrier()  # every rank cleared its event before any call can arrive
-    blocked = rpc.rpc_async(rpc_world.peer(), wait_for_release, timeout=20)
+    blocked = rpc.rpc_async(rpc_world.peer(), wait_for_release, timeout=scaled(20))
     futures = [blocked] + [rpc.rpc_async(rpc_world.peer(), raise_value_error) for _ in range(2)]
     with pytest.raises(ValueError, match=EXPECTED):
         torch.futures.wait_all(futures)

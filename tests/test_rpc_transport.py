@@ -15,6 +15,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from _dist_utils import wait_until
+from _timing import scaled
 
 from lightning_distgrad import rpc
 from lightning_distgrad.rpc._calls import dispatch, one_way
@@ -337,7 +338,7 @@ def run_threads(target, count: int) -> None:
     for w in workers:
         w.start()
     for w in workers:
-        w.join(timeout=120)
+        w.join(timeout=scaled(120))
 
 
 def test_many_threads_issuing_rpc_async_lose_and_duplicate_nothing(rpc_world):
@@ -439,12 +440,12 @@ def test_sender_holding_a_lock_that_a_completion_callback_needs_does_not_deadloc
                 rpc_world.peer(), slow_tag_value, (0, 0), None, 0, user_visible=False
             )
             fut.add_done_callback(callback)
-            if callback_waiting.wait(30):  # the progress thread now waits for `lock`
+            if callback_waiting.wait(scaled(30)):  # the progress thread now waits for `lock`
                 results.append(rpc.rpc_async(rpc_world.peer(), tag_value, (0, 1)))
 
     thread = threading.Thread(target=holder)
     thread.start()
-    thread.join(60)
+    thread.join(scaled(60))
     assert not thread.is_alive(), "the sender and the completion callback deadlocked"
     assert callback_waiting.is_set()
     later = results[0]

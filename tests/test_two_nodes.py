@@ -1,8 +1,9 @@
 """Jobs whose ranks span two nodes, emulated on this machine (see ``_emulated_nodes``).
 
-Serial tests (the plain ``pytest`` pass): each starts a 4-rank job, 2 ranks per node,
-and checks how it ended. Skipped, with the reason, where the nodes cannot be emulated
-(not root, no ``unshare``, no hydra ``mpiexec``, namespaces refused).
+Serial tests (the plain ``pytest`` pass). One 4-rank job, 2 ranks per node, serves them
+all (``jobs/two_nodes.py``): each rank reports what it sees of its node, then the MPI tests
+of :data:`SUITE` run across the nodes. Skipped, with the reason, where the nodes cannot be
+emulated (not root, no ``unshare``, no hydra ``mpiexec``, namespaces refused).
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from pathlib import Path
 import pytest
 from _emulated_nodes import NODE_NAMES, mpiexec_two_nodes, node_env, skip_reason
 from _job_runner import PACKAGE_ROOT, TESTS
+from _timing import scaled
 from mpi_launch import JobResult, run_job
 
 RANKS_PER_NODE = 2
 WORLD = RANKS_PER_NODE * len(NODE_NAMES)
-#: A hung job is killed after this long (the suite job ends in about 40 s when idle).
-NODE_FACTS_TIMEOUT_S = 150
-SUITE_TIMEOUT_S = 240
+#: A hung job is killed after this long (it ends in about 40 s when idle).
+JOB_TIMEOUT_S = scaled(300)
 #: The MPI tests that run with their ranks split across the nodes: RPC, RRefs,
 #: distributed autograd, the distributed optimizer and Lightning's fit.
 SUITE = (
@@ -33,61 +34,57 @@ SUITE = (
 )
 
 
-@pytest.fixture(autouse=True)
-def emulated_nodes() -> None:
-    """Skip, saying why, where two nodes cannot be emulated (probed once, at first use:
-    never while collecting, which every rank of an MPI pass does)."""
+class TwoNodeJob:
+    """How the job ended, and each rank's output, by rank."""
+
+    def __init__(self, result: JobResult, outputs: list[str]):
+        self.result = result
+        self.outputs = outputs
+
+    def describe(self) -> str:
+        ranks = "\n".join(f"----- rank {r} -----\n{t[-6000:]}" for r, t in enumerate(self.outputs))
+        return f"{self.result.describe()}\n{ranks}"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> TwoNodeJob:
+    """The job, run once for the module; skipped, saying why, where two nodes cannot be
+    emulated (probed at first use: never while collecting, which every rank of an MPI pass
+    does)."""
     reason = skip_reason()
     if reason is not None:
         pytest.skip(reason)
-
-
-def run_on_two_nodes(
-    tmp_path: Path, *command: str, timeout_s: float, per_rank_output: bool = False
-) -> JobResult:
-    """Run ``python command...`` on both nodes; with ``per_rank_output`` each rank's
-    output goes to ``tmp_path/rank<r>.out`` instead of the job's output."""
-    pattern = str(tmp_path / "rank%r.out") if per_rank_output else None
-    # A temp folder per job: pytest sessions inside it must not race over a shared one.
-    env = node_env({"TMPDIR": str(tmp_path), "MPIEXEC_TIMEOUT": str(int(timeout_s) - 5)})
+    folder = tmp_path_factory.mktemp("two_nodes")
+    # A temp folder of its own: pytest sessions inside it must not race over a shared one.
+    # Each rank's output goes to a file of its own.
+    env = node_env({"TMPDIR": str(folder), "MPIEXEC_TIMEOUT": str(int(JOB_TIMEOUT_S) - 5)})
+    pytest_args = ["--with-mpi", "-q", "-p", "no:cacheprovider"]
+    pytest_args += ["-o", f"faulthandler_timeout={scaled(120):.0f}"]
+    pytest_args += [str(Path("tests") / name) for name in SUITE]
+    script = str(TESTS / "jobs" / "two_nodes.py")
     argv = mpiexec_two_nodes(
-        RANKS_PER_NODE, sys.executable, "-m", "mpi4py", *command, output_pattern=pattern
+        RANKS_PER_NODE,
+        *(sys.executable, "-m", "mpi4py", script, *pytest_args),
+        output_pattern=str(folder / "rank%r.out"),
     )
-    return run_job(argv, timeout_s=timeout_s, cwd=PACKAGE_ROOT, env=env)
-
-
-def rank_outputs(folder: Path) -> list[str]:
-    """Each rank's output, by rank (see ``per_rank_output``)."""
+    result = run_job(argv, timeout_s=JOB_TIMEOUT_S, cwd=PACKAGE_ROOT, env=env)
     files = [folder / f"rank{r}.out" for r in range(WORLD)]
-    return [p.read_text() if p.exists() else "<no output>" for p in files]
+    return TwoNodeJob(result, [p.read_text() if p.exists() else "<no output>" for p in files])
 
 
-def describe(result: JobResult, outputs: list[str]) -> str:
-    ranks = "\n".join(f"----- rank {r} -----\n{t[-6000:]}" for r, t in enumerate(outputs))
-    return f"{result.describe()}\n{ranks}"
-
-
-def node_facts(outputs: list[str]) -> list[dict]:
+def node_facts(job: TwoNodeJob) -> list[dict]:
     """Each rank's facts from ``jobs/node_local.py``, by rank."""
     facts = []
-    for rank, text in enumerate(outputs):
+    for rank, text in enumerate(job.outputs):
         lines = [ln for ln in text.splitlines() if ln.startswith("NODE_FACTS ")]
-        assert len(lines) == 1, f"rank {rank}:\n{text}"
+        assert len(lines) == 1, f"rank {rank}: no node facts\n{job.describe()}"
         facts.append(json.loads(lines[0].split(" ", 1)[1]))
     assert [f["rank"] for f in facts] == list(range(WORLD)), facts
     return facts
 
 
-def test_node_local_mechanisms_work_per_node(tmp_path):
-    result = run_on_two_nodes(
-        tmp_path,
-        str(TESTS / "jobs" / "node_local.py"),
-        timeout_s=NODE_FACTS_TIMEOUT_S,
-        per_rank_output=True,
-    )
-    outputs = rank_outputs(tmp_path)
-    assert result.code == 0, describe(result, outputs)
-    facts = node_facts(outputs)
+def test_node_local_mechanisms_work_per_node(job):
+    facts = node_facts(job)
     for f in facts:
         rank, node = f["rank"], f["rank"] // RANKS_PER_NODE
         same_node = [r for r in range(WORLD) if r // RANKS_PER_NODE == node]
@@ -131,27 +128,11 @@ def test_node_local_mechanisms_work_per_node(tmp_path):
     assert len(boards) == len(NODE_NAMES), facts
 
 
-def test_rpc_autograd_optimizer_and_fit_tests_pass_across_nodes(tmp_path):
-    files = [str(Path("tests") / name) for name in SUITE]
-    result = run_on_two_nodes(
-        tmp_path,
-        "-m",
-        "pytest",
-        "--with-mpi",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-o",
-        "faulthandler_timeout=120",
-        *files,
-        timeout_s=SUITE_TIMEOUT_S,
-        per_rank_output=True,
-    )
-    texts = rank_outputs(tmp_path)
-    report = describe(result, texts)
-    assert result.code == 0, report
+def test_rpc_autograd_optimizer_and_fit_tests_pass_across_nodes(job):
+    report = job.describe()
+    assert job.result.code == 0, report
     passed = []
-    for rank, text in enumerate(texts):
+    for rank, text in enumerate(job.outputs):
         counts = summary_counts(text)
         assert counts.get("passed", 0) > 0 and not counts.keys() & {"failed", "error", "errors"}, (
             f"rank {rank}: {counts}\n{report}"

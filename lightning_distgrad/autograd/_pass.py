@@ -441,6 +441,14 @@ class Pass:
         for node, hooks in self.held_hooks.items():
             tensor_hooks(node.variable).update(hooks)
         self.held_hooks.clear()
+        # The error (raised by now) has a traceback whose frames hold this pass: a reference
+        # cycle, left to the garbage collector with the Python objects of the graph's nodes.
+        # A collection, on whatever thread it runs, clears each object of the cycle even if
+        # another thread took it up meanwhile (the next pass of the context, built from the
+        # same nodes): that pass would then hold dead node objects, while gradients reach
+        # new objects of the same nodes, and wait for ever. Without the cycle, they are freed
+        # when their last reference goes.
+        self.error = None
 
     # -- credit (root only) -----------------------------------------------------------
 

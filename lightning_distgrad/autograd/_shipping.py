@@ -126,6 +126,7 @@ class Outbox:
         self._return(credit, None, error)
 
     def _return(self, credit: Credit, report: tuple | None, error: BaseException | None) -> None:
+        self.error = None  # passed on; its traceback holds this outbox (see Pass.close)
         return_credit(self.p.ctx._context_id(), self.p.pass_id, credit, report, error)
 
     def _send(

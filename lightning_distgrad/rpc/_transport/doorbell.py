@@ -222,7 +222,8 @@ class ArmedBackoff:
         self._bell = bell
         self._poll = poll
         self._quiet_cap = quiet_cap
-        self._naps = Backoff(wait=bell.wait)
+        # The bell's wait as it is at each nap (tests time it by replacing it).
+        self._naps = Backoff(wait=lambda seconds: self._bell.wait(seconds))
         self._armed = False
 
     def reset(self) -> None:
