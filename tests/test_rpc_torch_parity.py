@@ -245,7 +245,9 @@ def test_a_wait_all_block_waits_for_its_rpc_async_futures(rpc_world, whose):
         assert rpc.rpc_sync(rpc_world.peer(), add, (3, 4)) == 7  # not collected
         rpc.rpc_async(rpc_world.peer(), raise_value_error)
         assert len(_thread_local_var.future_list) == 2
-    assert ok.done() and ok.wait() == 3
+    # The block ended at the failed call, as torch's: the other answers (already received)
+    # complete their futures on callback threads, in no set order.
+    assert ok.wait() == 3
     assert not hasattr(_thread_local_var, "future_list")
     with _wait_all():
         late = rpc.rpc_async(rpc_world.peer(), add, (1, 1))
