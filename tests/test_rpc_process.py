@@ -99,6 +99,7 @@ FROZEN_PEER_TIMEOUT = f"""
     import torch
     from mpi4py import MPI
     import lightning_distgrad.rpc as rpc
+    from lightning_distgrad.rpc._transport import abort_mpi_job
 
     rpc.init_rpc()
     me = rpc.get_worker_info().id
@@ -122,7 +123,9 @@ FROZEN_PEER_TIMEOUT = f"""
         MPI.COMM_WORLD.send("printed", dest=0)
     if me == 0:
         MPI.COMM_WORLD.recv(source=1)  # rank 1's line is out
-        MPI.COMM_WORLD.Abort(3)  # the only way to end a job with a stopped rank
+        # The only way to end a job with a stopped rank; this one waits until the launcher
+        # has read rank 0's own line.
+        abort_mpi_job("", 3)
     time.sleep(600)
 """
 
