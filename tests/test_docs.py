@@ -125,7 +125,11 @@ def test_readme_main_job_trains_and_ends_with_what_it_trained_where():
     steps, first, final = int(last[1]), float(last[2]), float(last[3])
     # --fast: 512 samples, 32 a batch on each of 2 trainers: 8 steps an epoch.
     assert steps == 16 and final < first, lines[-1]
-    # A progress bar; only rank 0 speaks (Lightning's banner once); no warnings.
-    assert "Epoch 1: 100%" in job.output and "Traceback" not in job.output, job.describe()
+    # A progress bar; only rank 0 speaks (Lightning's banner once); no warnings. Open MPI's
+    # launcher gives rank 0 a pseudo-terminal of width 0 when its own output is no terminal,
+    # in which tqdm draws no bar at all.
+    if LAUNCHER.kind != "openmpi":
+        assert "Epoch 1: 100%" in job.output, job.describe()
+    assert "Traceback" not in job.output, job.describe()
     assert job.output.count("GPU available:") == 1, job.describe()
     assert not [line for line in lines if "warn" in line.lower()], job.describe()
