@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import threading
+import time
 
 import pytest
 import torch
@@ -85,6 +86,16 @@ def where_requests_ran():
     return {k: info[k] for k in ("requests_run_inline", "requests_run_on_pool")} | {
         "handoffs": info["progress_handoffs"]
     }
+
+
+def compute_until_released(key):
+    """Keeps the thread that serves it computing (holding the GIL most of the time) until a
+    later request runs ``release(key)``; its thread's name, and whether it was released."""
+    released = _RELEASES.setdefault(key, threading.Event())
+    end = time.monotonic() + RELEASE_TIMEOUT_S
+    while not released.is_set() and time.monotonic() < end:
+        sum(range(1000))
+    return threading.current_thread().name, released.is_set()
 
 
 def thread_name_after_rpc_back(to, x):
@@ -301,6 +312,21 @@ def test_a_request_that_waits_hands_the_receiving_over_and_its_next_ones_run_on_
         # The first and the fourth each handed the role over once.
         assert after["handoffs"] - before["handoffs"] == 2, (before, after)
         assert after["requests_run_on_pool"] - before["requests_run_on_pool"] == 2
+
+
+def test_a_long_computation_leaves_the_receiving_to_another_thread(rpc_world):
+    """A request that computes where it was delivered, without waiting for anything: after
+    some milliseconds another thread of its worker takes over the progress role and serves
+    the second request, which ends the computation."""
+    if rpc_world.rank == 0:
+        peer = rpc_world.peer()
+        before = rpc.rpc_sync(peer, where_requests_ran)
+        busy = rpc.rpc_async(peer, compute_until_released, ("computing",))
+        assert wait_until(lambda: rpc.rpc_sync(peer, is_waiting, ("computing",)))
+        rpc.rpc_sync(peer, release, ("computing",))
+        assert busy.wait() == ("distgrad-progress", True), "not released while it computed"
+        after = rpc.rpc_sync(peer, where_requests_ran)
+        assert after["handoffs"] - before["handoffs"] == 1, (before, after)
 
 
 def test_a_request_may_block_until_a_later_request_releases_it(rpc_world):

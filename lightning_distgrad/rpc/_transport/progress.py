@@ -8,8 +8,8 @@ can move: the holder *steps out* of it before an inline run waits for anything
 (:meth:`ProgressRole.step_out`), and a *standby* thread takes it over at once; the standby also
 watches inline runs and takes the role from one that has run for :data:`WATCH_S` and is not
 running now (it sleeps, waits for a lock or I/O; one that the machine only preempted keeps the
-role). The old holder finishes its run as a plain worker, then becomes the standby (or ends,
-if there is one).
+role), or that has run for :data:`LONG_RUN_S` at all. The old holder finishes its run as a
+plain worker, then becomes the standby (or ends, if there is one).
 
 The standby costs nothing while no inline run happens: it sleeps until one starts after a quiet
 spell, then looks every :data:`WATCH_S` until :data:`QUIET_S` pass without one.
@@ -26,8 +26,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-#: The standby takes the role from an inline run that has lasted this long.
+#: The standby takes the role from an inline run that has lasted this long and is not
+#: running (it sleeps or waits), or that has lasted LONG_RUN_S however it spends its time (a
+#: long computation: the two threads then share the GIL, and the rank's messages still move).
 WATCH_S = 0.005
+LONG_RUN_S = 0.02
 #: Without an inline run for this long, the standby sleeps until the next one starts.
 QUIET_S = 0.1
 #: ``ProgressRole._standby`` while a standby thread starts.
@@ -129,8 +132,9 @@ class ProgressRole:
                     return False
                 now = time.monotonic()
                 since = self._inline_since
-                stuck = since is not None and now - since >= WATCH_S
-                if self.holder is None or (stuck and not _running(self._holder_tid)):
+                ran = now - since if since is not None else 0.0
+                stuck = ran >= LONG_RUN_S or (ran >= WATCH_S and not _running(self._holder_tid))
+                if self.holder is None or stuck:
                     self._take(me)
                     return True
                 if now - self._last_inline > QUIET_S:
