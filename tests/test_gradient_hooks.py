@@ -17,13 +17,15 @@ so the gradients travel and the engine's general path runs, and ``.grad`` must s
 * A module under ``torch.compile`` (backends ``eager`` and ``aot_eager``: the compiled backward
   of ``aot_eager`` is the custom autograd function inductor's would be, without compiling C++
   on every rank of a test job).
-* FSDP (``fully_shard``): raises (it reduce-scatters ``.grad`` at the end of a local backward);
-  skipped on torch 2.5, whose FSDP2 needs CUDA.
+* FSDP (``FullyShardedDataParallel`` and ``fully_shard``): raises (it reduce-scatters ``.grad``
+  at the end of a local backward); ``fully_shard`` is skipped on torch 2.5, whose FSDP2 needs
+  CUDA.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -201,3 +203,20 @@ def test_fully_shard_raises(rpc_world):
             assert "FSDPSequential" in str(info.value)
         finally:  # later passes in this process must not see it (torch 2.5 keeps it alive)
             torch.distributed._composable_state._module_state_mapping.pop(net, None)
+
+
+def test_fully_sharded_data_parallel_raises(rpc_world):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with gloo_process_group(rpc_world):
+        net = FullyShardedDataParallel(mlp(), device_id=torch.device("cpu"))
+        with pytest.raises(RuntimeError, match="FSDP manages modules") as info:
+            distributed_grads(rpc_world, plain, net, batch(rpc_world))
+        assert "FullyShardedDataParallel" in str(info.value)
+        # FSDP holds itself through the hooks its forward set until a local backward runs
+        # them (in plain torch too), so the module can go.
+        plain(net, batch(rpc_world)).backward()
+        del net, info
+        gc.collect()
+    net, x = mlp(), batch(rpc_world)  # once the FSDP module is gone, passes run again
+    assert_same_grads(distributed_grads(rpc_world, plain, net, x), local_grads(plain, net, x))
