@@ -8,6 +8,7 @@ level: the callee imports them by name.
 from __future__ import annotations
 
 import builtins
+import functools
 import threading
 import time
 
@@ -63,15 +64,33 @@ _RELEASES: dict[str, threading.Event] = {}
 RELEASE_TIMEOUT_S = scaled(20.0)
 
 
+def served_on_the_pool(fn):
+    """``fn`` as an ``async_execution`` function, which always runs on the worker pool: a
+    helper that reads counts or releases a request must not move them itself (an inline run
+    that the machine preempts for long enough hands the progress role over, and one that
+    outlasts the budget sends its function's next requests to the pool)."""
+
+    @rpc.functions.async_execution
+    @functools.wraps(fn)
+    def on_the_pool(*args):
+        answer = torch.futures.Future()
+        answer.set_result(fn(*args))
+        return answer
+
+    return on_the_pool
+
+
 def wait_for_release(key):
     """Blocks the thread that serves it until a later request runs ``release(key)``."""
     return _RELEASES.setdefault(key, threading.Event()).wait(RELEASE_TIMEOUT_S)
 
 
+@served_on_the_pool
 def is_waiting(key):
     return key in _RELEASES
 
 
+@served_on_the_pool
 def release(key):
     _RELEASES.setdefault(key, threading.Event()).set()
 
@@ -80,8 +99,10 @@ def serving_thread_name():
     return threading.current_thread().name
 
 
+@served_on_the_pool
 def where_requests_ran():
-    """The counts of ``_get_debug_info`` that say where this worker's requests ran."""
+    """The counts of ``_get_debug_info`` that say where this worker's requests ran (this
+    request already counted on the pool)."""
     info = rpc.api._get_debug_info()
     return {k: info[k] for k in ("requests_run_inline", "requests_run_on_pool")} | {
         "handoffs": info["progress_handoffs"]
@@ -311,7 +332,8 @@ def test_a_request_that_waits_hands_the_receiving_over_and_its_next_ones_run_on_
         assert names[1].startswith("distgrad-worker") and names[2].startswith("distgrad-worker")
         # The first and the fourth each handed the role over once.
         assert after["handoffs"] - before["handoffs"] == 2, (before, after)
-        assert after["requests_run_on_pool"] - before["requests_run_on_pool"] == 2
+        # The second and third, and the request that read ``after``.
+        assert after["requests_run_on_pool"] - before["requests_run_on_pool"] == 3
 
 
 def test_a_long_computation_leaves_the_receiving_to_another_thread(rpc_world):
