@@ -348,7 +348,9 @@ def test_a_long_computation_leaves_the_receiving_to_another_thread(rpc_world):
         rpc.rpc_sync(peer, release, ("computing",))
         assert busy.wait() == ("distgrad-progress", True), "not released while it computed"
         after = rpc.rpc_sync(peer, where_requests_ran)
-        assert after["handoffs"] - before["handoffs"] == 1, (before, after)
+        # At least once: while the computation holds the GIL, the new holder's own short runs
+        # wait for the GIL too, and the standby may take the role from one of them in turn.
+        assert after["handoffs"] - before["handoffs"] >= 1, (before, after)
 
 
 def test_a_request_may_block_until_a_later_request_releases_it(rpc_world):

@@ -14,7 +14,14 @@ from _timing import scaled
 from mpi4py import MPI
 
 from lightning_distgrad.rpc._calls.waiting import Waiter
-from lightning_distgrad.rpc._transport import Frame, FrameLimits, Kind, Transport, local_devices
+from lightning_distgrad.rpc._transport import (
+    Frame,
+    FrameLimits,
+    Kind,
+    Transport,
+    local_devices,
+    progress,
+)
 from lightning_distgrad.rpc._transport import doorbell as _doorbell
 from lightning_distgrad.rpc._transport.doorbell import ArmedBackoff, Doorbell, LocalBell
 from lightning_distgrad.rpc._transport.engine import QUIET_NAP_S
@@ -368,3 +375,32 @@ def test_work_handed_to_the_waiting_thread_runs_there_before_it_stops():
     assert waiter_thread_ran == ["waiting-thread", "MainThread"]
     waiter.run_handed_over()
     assert len(waiter_thread_ran) == 2
+
+
+def test_the_standby_reads_a_holders_cpu_time_which_stands_still_while_it_waits():
+    """The standby tells a long computation (whose CPU time grows) from a run that only waits
+    for a core or a lock (whose CPU time does not), so a preempted run keeps the role."""
+    go, computed, finish = threading.Event(), threading.Event(), threading.Event()
+
+    def holder():
+        go.wait()
+        start = time.thread_time()
+        while time.thread_time() - start < 0.05:
+            pass
+        computed.set()
+        finish.wait()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        clock = progress._cpu_time(thread.ident)
+        waiting = clock()
+        time.sleep(0.05)
+        assert clock() - waiting < 0.005  # it waited on an event: next to no CPU time
+        go.set()
+        assert computed.wait(scaled(30))
+        assert clock() - waiting >= 0.05
+    finally:
+        go.set()
+        finish.set()
+        thread.join()

@@ -7,9 +7,11 @@ RPC, a lock, a sleep), and a blocked holder would stall every message of its ran
 can move: the holder *steps out* of it before an inline run waits for anything
 (:meth:`ProgressRole.step_out`), and a *standby* thread takes it over at once; the standby also
 watches inline runs and takes the role from one that has run for :data:`WATCH_S` and is not
-running now (it sleeps, waits for a lock or I/O; one that the machine only preempted keeps the
-role), or that has run for :data:`LONG_RUN_S` at all. The old holder finishes its run as a
-plain worker, then becomes the standby (or ends, if there is one).
+running now (it sleeps, waits for a lock or I/O), or that has computed for
+:data:`LONG_RUN_CPU_S` of its thread's CPU time (a long computation). A run that the machine
+only preempted uses no CPU meanwhile, so it keeps the role however long it waits for a core.
+The old holder finishes its run as a plain worker, then becomes the standby (or ends, if there
+is one).
 
 The standby costs nothing while no inline run happens: it sleeps until one starts after a quiet
 spell, then looks every :data:`WATCH_S` until :data:`QUIET_S` pass without one.
@@ -27,10 +29,11 @@ from collections.abc import Callable, Iterator
 import torch
 
 #: The standby takes the role from an inline run that has lasted this long and is not
-#: running (it sleeps or waits), or that has lasted LONG_RUN_S however it spends its time (a
-#: long computation: the two threads then share the GIL, and the rank's messages still move).
+#: running (it sleeps or waits)...
 WATCH_S = 0.005
-LONG_RUN_S = 0.02
+#: ...or that has used this much CPU time since the standby first saw it (a long computation:
+#: the two threads then share the GIL, and the rank's messages still move).
+LONG_RUN_CPU_S = 0.02
 #: Without an inline run for this long, the standby sleeps until the next one starts.
 QUIET_S = 0.1
 #: ``ProgressRole._standby`` while a standby thread starts.
@@ -68,6 +71,7 @@ class ProgressRole:
         # Guarded by the lock:
         self.holder: int | None = None  # ident of the thread that holds the role
         self._holder_tid = 0  # its native id
+        self._holder_cpu: Callable[[], float] = time.monotonic  # its CPU time (see _cpu_time)
         self.handoffs = 0  # times the role moved
         self._standby: int | None = None  # ident of the standby thread, if any
         self._inline_since: float | None = None  # start of the holder's inline run
@@ -103,7 +107,7 @@ class ProgressRole:
         try:
             with self._lock:
                 if holder:
-                    self.holder, self._holder_tid = me, threading.get_native_id()
+                    self._become_holder(me)
                 else:
                     self._standby = me
             while True:
@@ -124,21 +128,32 @@ class ProgressRole:
 
     def _stand_by(self, me: int) -> bool:
         """Wait until this thread takes the role (True) or the transport stops (False)."""
+        watched: tuple[float, float] | None = None  # (an inline run's start, CPU time seen)
         while True:
             self._wake.wait(None if self._quiet else WATCH_S)
             self._wake.clear()
             with self._lock:
                 if self._stopped:
                     return False
-                now = time.monotonic()
-                since = self._inline_since
-                ran = now - since if since is not None else 0.0
-                stuck = ran >= LONG_RUN_S or (ran >= WATCH_S and not _running(self._holder_tid))
+                now, since = time.monotonic(), self._inline_since
+                stuck = False
+                if since is not None:
+                    if watched is None or watched[0] != since:
+                        watched = (since, self._holder_cpu())
+                    computed = self._holder_cpu() - watched[1]
+                    stuck = computed >= LONG_RUN_CPU_S or (
+                        now - since >= WATCH_S and not _running(self._holder_tid)
+                    )
                 if self.holder is None or stuck:
                     self._take(me)
                     return True
                 if now - self._last_inline > QUIET_S:
                     self._quiet = True
+
+    def _become_holder(self, me: int) -> None:
+        """Under the lock, on thread ``me``."""
+        self.holder, self._holder_tid = me, threading.get_native_id()
+        self._holder_cpu = _cpu_time(me)
 
     def _take(self, me: int) -> None:
         """Under the lock: thread ``me`` takes the role (left by a holder that stepped out,
@@ -146,7 +161,7 @@ class ProgressRole:
         if self.holder is not None:
             self.handoffs += 1
             self._on_handoff()
-        self.holder, self._holder_tid = me, threading.get_native_id()
+        self._become_holder(me)
         self._standby = None
         self._inline_since = None
 
@@ -194,6 +209,16 @@ class ProgressRole:
                 self._spawn(holder=False)
         self._wake.set()
         return True
+
+
+def _cpu_time(ident: int) -> Callable[[], float]:
+    """A clock of the CPU time of thread ``ident`` (``threading.get_ident()``), readable from
+    other threads; wall time where the platform has no such clock."""
+    try:
+        clock = time.pthread_getcpuclockid(ident)
+    except (AttributeError, OSError):
+        return time.monotonic
+    return lambda: time.clock_gettime(clock)
 
 
 def _running(tid: int) -> bool:
