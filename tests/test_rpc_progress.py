@@ -404,3 +404,36 @@ def test_the_standby_reads_a_holders_cpu_time_which_stands_still_while_it_waits(
         go.set()
         finish.set()
         thread.join()
+
+
+def test_the_standby_takes_the_role_from_a_computation_however_slowly_it_computes(monkeypatch):
+    """A computation on a crowded core uses its CPU time slowly; the standby keeps watching
+    it (it goes quiet only once no inline run lasts), here with the quiet spell shortened to
+    far less than the CPU time that marks a long computation."""
+    monkeypatch.setattr(progress, "QUIET_S", 0.001)
+    lock, taken_over, failures = threading.Lock(), threading.Event(), []
+    computing, computed = threading.Event(), []
+
+    def run() -> None:  # the poll loop of whichever thread holds the role
+        me = threading.get_ident()
+        if computing.is_set():  # the standby, now the holder
+            taken_over.set()
+            with lock:
+                role.mark_stopped()
+            return
+        computing.set()
+        assert role.begin_inline()
+        start = time.thread_time()
+        while role.holder == me and time.thread_time() - start < scaled(10):
+            pass  # computes until the role is taken from it
+        computed.append(time.thread_time() - start)
+        role.end_inline()
+
+    role = progress.ProgressRole(lock, run, lambda: None, failures.append)
+    role.start()
+    assert taken_over.wait(scaled(20)), "not taken over"
+    role.join()
+    assert wait_until(lambda: computed)
+    assert not failures
+    assert role.handoffs == 1
+    assert progress.LONG_RUN_CPU_S <= computed[0] < scaled(10)

@@ -14,7 +14,7 @@ The old holder finishes its run as a plain worker, then becomes the standby (or 
 is one).
 
 The standby costs nothing while no inline run happens: it sleeps until one starts after a quiet
-spell, then looks every :data:`WATCH_S` until :data:`QUIET_S` pass without one.
+spell, then looks every :data:`WATCH_S` until :data:`QUIET_S` pass without one (and none runs).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ WATCH_S = 0.005
 #: ...or that has used this much CPU time since the standby first saw it (a long computation:
 #: the two threads then share the GIL, and the rank's messages still move).
 LONG_RUN_CPU_S = 0.02
-#: Without an inline run for this long, the standby sleeps until the next one starts.
+#: Without an inline run starting for this long (and none running), the standby sleeps until
+#: the next one starts.
 QUIET_S = 0.1
 #: ``ProgressRole._standby`` while a standby thread starts.
 _STARTING = -1
@@ -147,7 +148,9 @@ class ProgressRole:
                 if self.holder is None or stuck:
                     self._take(me)
                     return True
-                if now - self._last_inline > QUIET_S:
+                # Never while a run lasts: a long computation on a crowded core may take far
+                # longer than QUIET_S to use LONG_RUN_CPU_S.
+                if since is None and now - self._last_inline > QUIET_S:
                     self._quiet = True
 
     def _become_holder(self, me: int) -> None:
