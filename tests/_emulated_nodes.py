@@ -37,7 +37,12 @@ def node_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """A clean job environment plus what hydra and the stand-in need."""
     names = " ".join(f"{a}={n}" for a, n in zip(NODE_ADDRESSES, NODE_NAMES, strict=True))
     # AUTOFORK=0: hydra would otherwise fork proxies for local-looking hosts itself.
-    env = {"HYDRA_LAUNCHER_AUTOFORK": "0", "FAKE_NODE_NAMES": names, "FAKE_NODE_CPUS": node_cpus()}
+    env = {
+        "HYDRA_LAUNCHER_AUTOFORK": "0",
+        "I_MPI_HYDRA_BOOTSTRAP_AUTOFORK": "0",  # the same for Intel MPI's hydra
+        "FAKE_NODE_NAMES": names,
+        "FAKE_NODE_CPUS": node_cpus(),
+    }
     return clean_env({**env, **(extra or {})})
 
 
