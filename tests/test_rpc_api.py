@@ -119,6 +119,18 @@ def compute_until_released(key):
     return threading.current_thread().name, released.is_set()
 
 
+def released_by_a_later_request(peer, fn, key):
+    """Sends ``fn(key)`` to ``peer``, waits until it runs there, then releases it with a
+    second request: ``fn``'s answer, and the peer's counts of where requests ran before and
+    after."""
+    before = rpc.rpc_sync(peer, where_requests_ran)
+    pending = rpc.rpc_async(peer, fn, (key,))
+    assert wait_until(lambda: rpc.rpc_sync(peer, is_waiting, (key,)))
+    rpc.rpc_sync(peer, release, (key,))
+    answer = pending.wait()
+    return answer, before, rpc.rpc_sync(peer, where_requests_ran)
+
+
 def thread_name_after_rpc_back(to, x):
     """The thread that ran this request, and the answer of a nested RPC it waited for."""
     return threading.current_thread().name, rpc.rpc_sync(to, torch.add, (x, 1))
@@ -341,13 +353,10 @@ def test_a_long_computation_leaves_the_receiving_to_another_thread(rpc_world):
     some milliseconds another thread of its worker takes over the progress role and serves
     the second request, which ends the computation."""
     if rpc_world.rank == 0:
-        peer = rpc_world.peer()
-        before = rpc.rpc_sync(peer, where_requests_ran)
-        busy = rpc.rpc_async(peer, compute_until_released, ("computing",))
-        assert wait_until(lambda: rpc.rpc_sync(peer, is_waiting, ("computing",)))
-        rpc.rpc_sync(peer, release, ("computing",))
-        assert busy.wait() == ("distgrad-progress", True), "not released while it computed"
-        after = rpc.rpc_sync(peer, where_requests_ran)
+        answer, before, after = released_by_a_later_request(
+            rpc_world.peer(), compute_until_released, "computing"
+        )
+        assert answer == ("distgrad-progress", True), "not released while it computed"
         # At least once: while the computation holds the GIL, the new holder's own short runs
         # wait for the GIL too, and the standby may take the role from one of them in turn.
         assert after["handoffs"] - before["handoffs"] >= 1, (before, after)
@@ -359,13 +368,10 @@ def test_a_request_may_block_until_a_later_request_releases_it(rpc_world):
     thread of its worker takes over the progress role, receives the second request, which
     releases the first."""
     if rpc_world.rank == 0:
-        peer = rpc_world.peer()
-        before = rpc.rpc_sync(peer, where_requests_ran)
-        blocked = rpc.rpc_async(peer, wait_for_release, ("first",))
-        assert wait_until(lambda: rpc.rpc_sync(peer, is_waiting, ("first",)))
-        rpc.rpc_sync(peer, release, ("first",))
-        assert blocked.wait() is True, "the releasing request was not served in time"
-        after = rpc.rpc_sync(peer, where_requests_ran)
+        answer, before, after = released_by_a_later_request(
+            rpc_world.peer(), wait_for_release, "first"
+        )
+        assert answer is True, "the releasing request was not served in time"
         assert after["handoffs"] - before["handoffs"] == 1, (before, after)
 
 

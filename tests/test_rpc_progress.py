@@ -380,12 +380,14 @@ def test_work_handed_to_the_waiting_thread_runs_there_before_it_stops():
 def test_the_standby_reads_a_holders_cpu_time_which_stands_still_while_it_waits():
     """The standby tells a long computation (whose CPU time grows) from a run that only waits
     for a core or a lock (whose CPU time does not), so a preempted run keeps the role."""
-    go, computed, finish = threading.Event(), threading.Event(), threading.Event()
+    work_s = 0.05  # CPU time the thread computes, as it measures it itself
+    parked, go, computed, finish = (threading.Event() for _ in range(4))
 
     def holder():
+        parked.set()
         go.wait()
         start = time.thread_time()
-        while time.thread_time() - start < 0.05:
+        while time.thread_time() - start < work_s:
             pass
         computed.set()
         finish.wait()
@@ -393,13 +395,15 @@ def test_the_standby_reads_a_holders_cpu_time_which_stands_still_while_it_waits(
     thread = threading.Thread(target=holder)
     thread.start()
     try:
+        assert parked.wait(scaled(30))
         clock = progress._cpu_time(thread.ident)
-        waiting = clock()
-        time.sleep(0.05)
-        assert clock() - waiting < 0.005  # it waited on an event: next to no CPU time
+        before_wait = clock()
+        time.sleep(work_s)  # as long as it will compute, while it waits on an event
+        waited = clock() - before_wait
         go.set()
         assert computed.wait(scaled(30))
-        assert clock() - waiting >= 0.05
+        assert clock() - before_wait - waited >= work_s
+        assert waited < work_s / 10, "a waiting thread's CPU clock went on"
     finally:
         go.set()
         finish.set()

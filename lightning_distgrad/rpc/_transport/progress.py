@@ -139,10 +139,10 @@ class ProgressRole:
                 now, since = time.monotonic(), self._inline_since
                 stuck = False
                 if since is not None:
+                    cpu = self._holder_cpu()
                     if watched is None or watched[0] != since:
-                        watched = (since, self._holder_cpu())
-                    computed = self._holder_cpu() - watched[1]
-                    stuck = computed >= LONG_RUN_CPU_S or (
+                        watched = (since, cpu)
+                    stuck = cpu - watched[1] >= LONG_RUN_CPU_S or (
                         now - since >= WATCH_S and not _running(self._holder_tid)
                     )
                 if self.holder is None or stuck:
