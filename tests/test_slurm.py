@@ -5,14 +5,16 @@ uninterrupted run).
 
 Plain pytest (not under MPI). The job runs this interpreter's MPI (the wheel of its venv:
 MPICH, Open MPI or Intel MPI), and the script must pick that MPI's ``srun --mpi=`` plugin;
-``.ci/run`` runs this file once per MPI venv. Skips unless `sbatch` is on PATH and a Slurm
-controller answers `sinfo`. For a throwaway single-node cluster on this machine:
+``.ci/run`` runs the launch tests under each MPI, the requeue tests under MPICH and Open
+MPI. Skips unless `sbatch` is on PATH and a Slurm controller answers `sinfo`. For a
+throwaway single-node cluster on this machine:
 
     apt-get install -y slurm-wlm munge libpmix2 libpmix-dev libpmi2-0
     slurm/local/start_local_cluster.sh      # as root; stop_local_cluster.sh after
 
 Environment:
-    SLURM_TEST_TIMEOUT  seconds one job may take, queueing included (default 300)
+    SLURM_TEST_TIMEOUT  seconds one job may take, queueing included (default 300, times
+                        LIGHTNING_DISTGRAD_TEST_SLOWDOWN)
     SLURM_TEST_OUTDIR   where job output goes; must be visible from the compute
                         node (default: pytest's tmp_path, fine for one node)
     SLURM_TEST_SBATCH_ARGS  extra sbatch options, e.g. "--partition=debug --account=x"
@@ -31,6 +33,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from _timing import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "slurm" / "cpu_example.sbatch"
@@ -40,7 +43,7 @@ EXAMPLE = "tests/slurm_job_check.py"
 NTASKS = 2
 EXPECTED = re.compile(r"SLURM_CHECK world=(\d+) sum=(\d+)")
 
-TIMEOUT = float(os.environ.get("SLURM_TEST_TIMEOUT", "300"))
+TIMEOUT = scaled(float(os.environ.get("SLURM_TEST_TIMEOUT", "300")))
 
 #: What cpu_example.sbatch must choose for each MPI library (first words of its version).
 SRUN_MPI = {"Open MPI": "pmix", "Intel(R) MPI": "pmi2", "MPICH": "pmi2"}
