@@ -21,7 +21,7 @@ from _timing import scaled
 
 from lightning_distgrad import rpc
 from lightning_distgrad.rpc import WorkerInfo
-from lightning_distgrad.rpc._calls import dispatch
+from lightning_distgrad.rpc._calls import dispatch, pending
 from lightning_distgrad.rpc._transport import Kind
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -392,6 +392,21 @@ def test_default_timeout_applies_to_calls_issued_afterwards(rpc_world):
     assert_usable(rpc_world)
 
 
+def test_answered_calls_leave_no_timer_that_wakes_the_agent(rpc_world, monkeypatch):
+    """One timer is armed, for the earliest deadline of a call still pending: once the calls
+    were answered, nothing wakes the agent to check them (a check every 10 ms did)."""
+    checks = []
+    expire = pending.Deadlines._expire
+    monkeypatch.setattr(
+        pending.Deadlines, "_expire", lambda self, at: (checks.append(at), expire(self, at))
+    )
+    for i in range(20):
+        assert rpc.rpc_sync(rpc_world.peer(), torch.add, (torch.ones(2), i), timeout=30)[0] == i + 1
+    time.sleep(0.3)
+    # At most a timer or two armed for earlier tests' calls, due meanwhile by chance.
+    assert len(checks) <= 2, f"{len(checks)} deadline checks in 0.3 s without a pending call"
+
+
 BAD_TIMEOUTS = [-5, -0.001, -1.5, float("nan"), float("inf"), float("-inf"), "1", None, True]
 TIMEOUT_RULE = (
     r"timeout must be a number of seconds >= 0 \(0: no timeout\) or "
@@ -469,7 +484,7 @@ def test_answered_calls_stop_being_watched_while_calls_keep_coming(rpc_world):
     slow = rpc.rpc_async(rpc_world.peer(), wait_at_gate, (gate, 9))
     for _ in range(1000):
         rpc.rpc_sync(rpc_world.peer(), torch.add, (torch.ones(1), 1))
-    # The timeout checks (every 10 ms) drop them.
+    # Each new call drops them from the watch once they outnumber the pending calls.
     assert wait_until(lambda: len(agent._deadlines) <= 2 * agent.num_pending() + 64), (
         f"{len(agent._deadlines)} deadlines watched for {agent.num_pending()} pending calls"
     )
