@@ -24,7 +24,7 @@ from lightning_distgrad.rpc._transport import (
 )
 from lightning_distgrad.rpc._transport import doorbell as _doorbell
 from lightning_distgrad.rpc._transport.doorbell import ArmedBackoff, Doorbell, LocalBell
-from lightning_distgrad.rpc._transport.engine import QUIET_NAP_S
+from lightning_distgrad.rpc._transport.engine import QUIET_NAP_S, RUNG_QUIET_NAP_S
 
 BODY = Frame(Kind.RREF_FORK, -1, None, (), ("body",))
 
@@ -230,16 +230,16 @@ def test_a_quiet_spell_arms_the_bell_once_and_polls_once_more_before_the_first_n
         events.append("poll")
         return found
 
-    backoff = ArmedBackoff(Bell(), lambda: poll(False), 0.004)
+    backoff = ArmedBackoff(Bell(), lambda: poll(False))
     for _ in range(3):
-        assert backoff.sleep(0.0, float("inf")) is False
+        assert backoff.sleep(float("inf"), 0.004) is False
     backoff.reset()  # traffic came
     backoff.reset()
     assert events == ["arm", "poll", "nap", "nap", "nap", "disarm"]
     # A frame posted before the arming showed: found by that poll, no nap.
     events.clear()
-    backoff = ArmedBackoff(Bell(), lambda: poll(True), 0.004)
-    assert backoff.sleep(0.0, float("inf")) is True
+    backoff = ArmedBackoff(Bell(), lambda: poll(True))
+    assert backoff.sleep(float("inf"), 0.004) is True
     assert events == ["arm", "poll"]
 
 
@@ -441,3 +441,83 @@ def test_the_standby_takes_the_role_from_a_computation_however_slowly_it_compute
     assert not failures
     assert role.handoffs == 1
     assert progress.LONG_RUN_CPU_S <= computed[0] < scaled(10)
+
+
+def _record_naps(transport: Transport, monkeypatch) -> list[float]:
+    """The naps the progress thread of ``transport`` asks its doorbell for, as it asks."""
+    naps: list[float] = []
+    wait = transport._bell.wait
+
+    def recorded(timeout: float) -> None:
+        if transport.is_progress_thread(threading.get_ident()):
+            naps.append(timeout)
+        wait(timeout)
+
+    monkeypatch.setattr(transport._bell, "wait", recorded)
+    return naps
+
+
+@pytest.mark.parametrize("every_peer_rings", [True, False], ids=["rung", "not rung"])
+def test_a_quiet_poller_naps_long_only_where_every_peer_can_ring_it(monkeypatch, every_peer_rings):
+    """Where every peer rings the poller's doorbell, its naps grow to RUNG_QUIET_NAP_S after a
+    quiet spell: an idle agent wakes a few times a second. Where a peer cannot (on another
+    node), they stop at QUIET_NAP_S, so that its frames are seen soon."""
+    transport = make_transport(MPI.COMM_SELF)
+    assert transport._rung_by_every_peer  # alone: no peer that cannot ring it
+    transport._rung_by_every_peer = every_peer_rings
+    naps = _record_naps(transport, monkeypatch)
+    transport._last_traffic -= 10.0  # long idle
+    transport.start()
+    cap = RUNG_QUIET_NAP_S if every_peer_rings else QUIET_NAP_S
+    try:
+        assert wait_until(lambda: bool(naps) and max(naps) >= cap), naps
+        window = 5 * RUNG_QUIET_NAP_S
+        before = len(naps)
+        time.sleep(window)
+        woke = len(naps) - before
+    finally:
+        transport.stop()
+        transport.free()
+    assert max(naps) == cap
+    if every_peer_rings:  # about window / cap wake-ups (fewer on a busy machine, never more)
+        assert woke <= window / RUNG_QUIET_NAP_S + 2, f"{woke} naps in {window} s"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_send_posted_while_the_poller_naps_long_wakes_it_and_a_waiters_send_does_not(
+    mpi_comm, monkeypatch
+):
+    """A long nap is cut short by this process's own sends (MPI progresses them only while
+    someone polls); a thread that polls while it waits needs no such ring (nor does its
+    call's every request)."""
+    delivered = []
+    transport = make_transport(mpi_comm, lambda source, frame, tensors: delivered.append(source))
+    rung = []
+    ring_self, ring = transport._bell.ring_self, transport._bell.ring
+    monkeypatch.setattr(transport._bell, "ring_self", lambda: (rung.append("self"), ring_self()))
+    monkeypatch.setattr(transport._bell, "ring", lambda rank: (rung.append(rank), ring(rank)))
+    try:
+        if transport.rank == 0:
+            transport._last_traffic -= 10.0
+            transport.start()
+            assert wait_until(lambda: transport._napping_long), "the poller never napped long"
+            transport.send(1, BODY, [])
+            assert "self" in rung, rung
+            assert wait_until(lambda: not transport._sender.sends), "the frame was never received"
+            rung.clear()
+            rung_by_the_send = []
+
+            def sent_once() -> bool:
+                if not rung_by_the_send:
+                    transport.send(1, BODY, [])
+                    rung_by_the_send.append(list(rung))
+                return not transport._sender.sends
+
+            assert transport.drive_until(sent_once)
+            assert rung_by_the_send == [[1]]  # its destination only
+        elif transport.rank == 1:
+            assert _poll_until(transport, lambda: len(delivered) == 2), delivered
+    finally:
+        if transport.rank == 0:
+            transport.stop()
+        transport.free()

@@ -30,10 +30,6 @@ from mpi4py import MPI
 
 from ..._backoff import Backoff
 
-#: Naps double as every wait of the package does (see ``lightning_distgrad._backoff``); after
-#: QUIET_S without traffic, up to the caller's quiet cap.
-QUIET_S = 0.1
-
 #: Where nap boards live (tmpfs: shared memory that no disk ever sees).
 BOARD_DIR = "/dev/shm"
 #: A board starts with the node's token (16 hex digits), then one byte per agent.
@@ -46,6 +42,9 @@ class LocalBell:
     A held lock: ``wait`` waits to acquire it (C-level, GIL released),
     ``ring_self`` releases it; cheaper than ``threading.Event``.
     """
+
+    #: Peers on this node that can ring it: none.
+    node_peers = 0
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -90,6 +89,7 @@ class Doorbell:
         addresses = {r: f"\0lightning_distgrad-{token}-{r}" for r in node_ranks}
         self._own = addresses.pop(rank)
         self._peers = addresses
+        self.node_peers = len(addresses)  # peers that ring this agent
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self._own)
         self._sock.setblocking(False)
@@ -211,17 +211,16 @@ def _open_board(path: str, token: str, agents: int, create: bool) -> mmap.mmap |
 class ArmedBackoff:
     """The poller's naps: a :class:`~lightning_distgrad._backoff.Backoff` whose naps wait on
     this agent's bell, so that a ring cuts them short. The bell is armed from the first nap
-    of a quiet spell until :meth:`reset` (traffic); after :data:`QUIET_S` without traffic the
-    naps grow to ``quiet_cap``.
+    of a quiet spell until :meth:`reset` (traffic); naps double as every wait of the package
+    does (see ``lightning_distgrad._backoff``), up to the ``cap`` of each :meth:`sleep`.
 
     Peers ring only an armed bell, so one poll right after arming finds a frame
     that was posted before peers could see the arming.
     """
 
-    def __init__(self, bell: Doorbell | LocalBell, poll: Callable[[], bool], quiet_cap: float):
+    def __init__(self, bell: Doorbell | LocalBell, poll: Callable[[], bool]):
         self._bell = bell
         self._poll = poll
-        self._quiet_cap = quiet_cap
         # The bell's wait as it is at each nap (tests time it by replacing it).
         self._naps = Backoff(wait=lambda seconds: self._bell.wait(seconds))
         self._armed = False
@@ -232,14 +231,15 @@ class ArmedBackoff:
             self._armed = False
             self._bell.disarm()
 
-    def sleep(self, idle_for: float, limit: float) -> bool:
-        """Nap at most ``limit`` s; True, without a nap, if the poll on arming found traffic."""
+    def sleep(self, limit: float, cap: float) -> bool:
+        """Nap at most ``limit`` s, the next nap at most ``cap`` s; True, without a nap, if
+        the poll on arming found traffic."""
         if not self._armed:
             self._armed = True
             self._bell.arm()
             if self._poll():
                 return True
-        self._naps.nap(limit, self._quiet_cap if idle_for > QUIET_S else None)
+        self._naps.nap(limit, cap)
         return False
 
 

@@ -10,7 +10,9 @@ default. A thread that waits for a result may poll in its place
 (:meth:`Transport.drive_until`): the reply then wakes no other thread. Nobody
 parks inside a blocking MPI call (MPICH spins there, costing a whole core): an
 idle poller naps with a doubling backoff (mpi4py.futures style), and peers on
-the same node end the nap with the doorbell (see ``doorbell``).
+the same node end the nap with the doorbell (see ``doorbell``). Where every peer
+can ring it, and this process rings it for every send it posts meanwhile, the
+naps of a quiet spell grow long: an idle agent wakes a few times a second.
 
 Nothing a peer sends can stop progress: a frame that fails to decode or
 validate goes to ``on_malformed``, an error raised while handling a frame is
@@ -59,8 +61,14 @@ HOT_S = 0.002
 # A transfer in flight keeps the poller hot this long after the last completion
 # (MPICH moves big messages only inside MPI calls); past it, naps resume.
 TRANSFER_HOT_S = 1.0
-# An idle poller's longest nap, after a quiet spell.
+# A quiet spell: this long without traffic. Naps grow past NAP_MAX_S only after one.
+QUIET_S = 0.1
+# An idle poller's longest nap, after a quiet spell, where a peer cannot ring its doorbell
+# (on another node): such a peer's frames wait for the next poll.
 QUIET_NAP_S = 0.004
+# Its longest nap where every peer rings it (all on this node) and no transfer needs MPI
+# to progress: frames, this process's own sends and calls, and timers all cut it short.
+RUNG_QUIET_NAP_S = 0.05
 # While a waiter polls, the progress thread sleeps this long between checks (it is rung
 # when it has something to do; a wake-up takes the GIL from the waiter).
 STEPPED_ASIDE_NAP_S = 0.02
@@ -105,6 +113,7 @@ class Transport:
         self._bell, oversubscribed = node_doorbell(comm, self.rank)
         # Spinning only pays where every rank of the node has a core of its own.
         self.spin = not oversubscribed
+        self._rung_by_every_peer = self._bell.node_peers == comm.Get_size() - 1
         self._on_frame = on_frame
         self._on_malformed = on_malformed
         self._receiver = Receiver(
@@ -120,6 +129,9 @@ class Transport:
         # The progress thread sleeps while a waiter polls: when the waiter leaves, the
         # bell is armed so that peers ring it for the next frame (see _hand_back).
         self._armed_for_hand_back = False
+        # The progress thread takes (or is about to take) a RUNG_QUIET_NAP_S nap: a send
+        # posted meanwhile rings it, for MPI to progress the send (see send_raw).
+        self._napping_long = False
         self._handlers_running = 0
         self._ready: collections.deque = collections.deque()  # frames and deferred calls
         self._deliverer: int | None = None  # ident of the thread handling _ready's items
@@ -163,9 +175,10 @@ class Transport:
         ``pushed`` tensors are written into the receiver's buffers once it says where."""
         with self._lock:
             self._sender.post(dst, raw, buffers, kind, pushed)
-        if dst == self.rank:
-            self._bell.ring_self()  # our own poller may nap
-        else:
+            wake_own_poller = dst == self.rank or self._napping_long
+        if wake_own_poller:
+            self._bell.ring_self()
+        if dst != self.rank:
             self._bell.ring(dst)
 
     def drive_until(self, done: Callable[[], bool]) -> bool:
@@ -175,6 +188,7 @@ class Transport:
             if self._poller is Poller.WAITER or self._state is not State.RUNNING:
                 return False
             self._poller = Poller.WAITER
+            self._napping_long = False
             self._disarm_hand_back()
         if not in_default_modes():
             # Frames handled here (requests, received tensors, recorded autograd) belong
@@ -312,7 +326,7 @@ class Transport:
         """The progress thread's loop: until the transport stops, or this thread no longer
         holds the progress role."""
         me = threading.get_ident()
-        backoff = ArmedBackoff(self._bell, self._poll_and_run, QUIET_NAP_S)
+        backoff = ArmedBackoff(self._bell, self._poll_and_run)
         while True:
             with self._lock:
                 if self._role.holder != me:
@@ -323,6 +337,7 @@ class Transport:
                     self._state = State.STOPPED
                     self._role.mark_stopped()
                     break
+                self._napping_long = False
                 stepped_aside = self._poller is Poller.WAITER
                 if not stepped_aside:
                     self._disarm_hand_back()
@@ -336,7 +351,7 @@ class Transport:
         backoff.reset()
 
     def _drive(self, done: Callable[[], bool]) -> None:
-        backoff = None if self.spin else ArmedBackoff(self._bell, self._poll_and_run, NAP_MAX_S)
+        backoff = None if self.spin else ArmedBackoff(self._bell, self._poll_and_run)
         try:
             while not done():
                 progressed = self._poll_and_run()
@@ -348,7 +363,7 @@ class Transport:
                 else:
                     with self._lock:
                         limit = self._timers.until_next(time.monotonic())
-                    if backoff.sleep(0.0, limit):
+                    if backoff.sleep(limit, NAP_MAX_S):
                         backoff.reset()
         finally:
             if backoff is not None:
@@ -389,19 +404,27 @@ class Transport:
         now = time.monotonic()
         with self._lock:
             idle_for = now - self._last_traffic
+            in_flight = self._sender.sends or self._receiver.incoming
             hot = (
                 self.spin
                 and not self._handlers_running
-                and (
-                    idle_for < HOT_S
-                    or (self._receiver.incoming and idle_for < TRANSFER_HOT_S)
-                    or (self._sender.sends and idle_for < TRANSFER_HOT_S)
-                )
+                and (idle_for < HOT_S or (in_flight and idle_for < TRANSFER_HOT_S))
             )
+            quiet = not hot and idle_for > QUIET_S
+            self._napping_long = (
+                quiet
+                and not in_flight
+                and self._rung_by_every_peer
+                and self._poller is Poller.PROGRESS_THREAD
+            )
+            if self._napping_long:
+                cap = RUNG_QUIET_NAP_S
+            else:
+                cap = QUIET_NAP_S if quiet else NAP_MAX_S
             limit = self._timers.until_next(now)
         if hot:
             os.sched_yield()
-        elif backoff.sleep(idle_for, limit):
+        elif backoff.sleep(limit, cap):
             backoff.reset()
 
     def _poll_and_run(self) -> bool:
