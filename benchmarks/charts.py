@@ -12,6 +12,7 @@ from _harness import TP, mpi_name
 
 OURS, IPC, STAGED = "ours", "ours, CUDA IPC", "ours, staged through host memory"
 COLORS = {OURS: "tab:blue", IPC: "tab:blue", STAGED: "lightsteelblue", TP: "tab:orange"}
+COLORS["our pickling and frames alone, no agent"] = "lightsteelblue"
 COLORS |= dict.fromkeys(["raw MPI", "raw MPI Send+Recv", "mpi4py request/reply loop"], "tab:gray")
 SCALE = {"us": 1e6, "ms": 1e3, "GB/s": 1.0, "req/s": 1.0}
 
@@ -127,15 +128,17 @@ def lines(ax, xs: list, series: dict[str, list[float | None]], unit: str) -> Non
 
 def finish(fig, axes, xlabel: str, ylabel: str | None) -> object:
     """Axis labels (y once where the panels share it; None: as the panels have it), the
-    legend in the first panel, y from 0 (once every panel is drawn: a shared axis then spans
-    them all)."""
-    axes[0].legend(fontsize=8, frameon=False)
+    first panel's legend under the panels (over them it hides bars), y from 0 (once every
+    panel is drawn: a shared axis then spans them all)."""
+    handles, labels = axes[0].get_legend_handles_labels()
+    rows = -(-len(labels) // 2)
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
     for ax in axes:
         ax.set_ylim(bottom=0)
         ax.set_xlabel(xlabel)
         if ylabel and (ax is axes[0] or not ax.get_shared_y_axes().joined(ax, axes[0])):
             ax.set_ylabel(ylabel)
-    fig.tight_layout(rect=(0, 0, 1, 0.86))
+    fig.tight_layout(rect=(0, 0.065 * rows, 1, 0.86))
     return fig
 
 
@@ -213,8 +216,9 @@ CHARTS = [
         "rpc_latency",
         "How long does a small RPC take?",
         "The round trip of an 8-byte `rpc_sync(torch.add)` between two ranks, in microseconds:"
-        " ours, TensorPipe started in the same MPI job, and an 8-byte MPI send and receive (what"
-        " the MPI itself costs).",
+        " ours, TensorPipe started in the same MPI job, an 8-byte MPI send and receive (what"
+        " the MPI itself costs), and the same call's two messages pickled, framed and sent by one"
+        " thread a side with no agent around them (what the messages' Python alone costs).",
         partial(
             bars_by_setup,
             pattern=r"8 B rpc_sync\(torch\.add\) round trip",

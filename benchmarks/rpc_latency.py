@@ -2,7 +2,9 @@
 
 Rank 0 times 8 B round trips of ``rpc_sync`` (``torch.add`` and a Python function), and of
 ``rpc_async(...).wait()`` after 20 and 200 ms without traffic (an idle agent naps), beside
-an mpi4py ``Send``/``Recv`` ping-pong in the same job. Each side's CPU time and context
+an mpi4py ``Send``/``Recv`` ping-pong and the same call's messages alone (our payload pickling
+and frames over bare mpi4py, one thread a side: the part of a round trip no agent design
+removes while messages are pickled in Python) in the same job. Each side's CPU time and context
 switches per call are counted over a second loop of the same calls (the callee's
 involuntary switches show threads preempting each other). Idle CPU is what a process uses
 while its main thread sleeps. Medians over rounds of fresh stacks."""
@@ -28,6 +30,7 @@ COSTS = [
     ("voluntary", "voluntary context switches per call", "/call"),
 ]
 SIDES = ("caller", "callee")
+FLOOR = "our pickling and frames alone, no agent"
 
 
 def stack_round(kind: str, comm: MPI.Comm, reps: int, quiet_reps: int, idle_s: float) -> dict:
@@ -56,15 +59,56 @@ def stack_round(kind: str, comm: MPI.Comm, reps: int, quiet_reps: int, idle_s: f
     return out
 
 
+def wire_floor(comm, reps: int) -> float | None:
+    """Rank 0: the median round trip of ``rpc_sync(torch.add)``'s request and response
+    through our payload pickling and frame format over bare mpi4py, one thread a side,
+    polling without pause: what the messages' Python costs with no agent around them
+    (threads, futures, dispatch, progress). None on the other ranks."""
+    from mpi4py import MPI
+
+    from lightning_distgrad.rpc._calls.payload import decode_payload, encode_payload
+    from lightning_distgrad.rpc._transport.frames import Frame, FrameLimits, Kind, decode_frame
+    from lightning_distgrad.rpc._transport.tensor_bytes import (
+        allocate_tensor,
+        describe_host_tensor,
+    )
+
+    limits, status, peer = FrameLimits(1 << 20, frozenset({"cpu"})), MPI.Status(), 1 - comm.rank
+
+    def send(kind: Kind, obj) -> MPI.Request:
+        payload, tensors, _ = encode_payload(obj, peer)
+        metas = tuple(describe_host_tensor(t)[0] for t in tensors)
+        return comm.Isend(Frame(kind, 0, payload).dumps(metas), peer)
+
+    def receive():
+        while (message := comm.Improbe(peer, 0, status)) is None:
+            pass
+        raw = bytearray(status.Get_count(MPI.BYTE))
+        message.Recv(raw)
+        frame = decode_frame(raw, limits)
+        return decode_payload(frame.payload, [allocate_tensor(m) for m in frame.metas])
+
+    t = torch.ones(2)
+    call = lambda: (send(Kind.REQUEST, (torch.add, (t, 1), {})), receive())[0].Wait()  # noqa: E731
+    sleep_barrier(comm)
+    if comm.Get_rank() == 0:
+        return median(sample(call, reps, warmup=reps // 10))
+    for _ in range(reps + reps // 10 if comm.Get_rank() == 1 else 0):
+        fn, args, kwargs = receive()
+        send(Kind.RESPONSE, fn(*args, **kwargs)).Wait()
+    return None
+
+
 def _median_cost(rounds: list[dict], call: str, side: int, key: str) -> float:
     return median(r["costs"][call][side][key] for r in rounds)
 
 
 def measure(comm: MPI.Comm, args) -> tuple[list[dict] | None, dict]:
     reps, quiet_reps, idle_s = (200, 12, 1.0) if args.quick else (2000, 50, 2.0)
-    runs: dict = {"mpi": [], "ours": [], "tp": []}
+    runs: dict = {"mpi": [], "floor": [], "ours": [], "tp": []}
     for _ in range(1 if args.quick else 3):
         runs["mpi"].append(ping_pong(comm, bytearray(8), bytearray(8), reps, warmup=10))
+        runs["floor"].append(wire_floor(comm, reps))
         for kind in ("ours", "tp"):
             runs[kind].append(stack_round(kind, comm, reps, quiet_reps, idle_s))
     if comm.Get_rank() != 0:
@@ -73,6 +117,7 @@ def measure(comm: MPI.Comm, args) -> tuple[list[dict] | None, dict]:
     ours, tp = ({k: median([r[k] for r in runs[s]]) for k in scalars} for s in ("ours", "tp"))
     rows = [row(m, ours[k], tp[k], TP, "cores" if k == "idle" else "s", t) for k, m, t in FIGURES]
     rows.insert(1, row(FIGURES[0][1], ours["add"], median(runs["mpi"]), "raw MPI", "s", ("<=", 10)))
+    rows.insert(2, row(FIGURES[0][1], ours["add"], median(runs["floor"]), FLOOR, "s"))
     for call, name in (("add", "rpc_sync(torch.add)"), ("fn", "rpc_sync(Python function)")):
         for side, side_name in enumerate(SIDES):
             for key, metric, unit in COSTS:
