@@ -42,7 +42,7 @@ def readme_block(first_line: str) -> str:
     return matches[0]
 
 
-@pytest.mark.parametrize("qualname,obj", list(public_objects()), ids=lambda x: str(x))
+@pytest.mark.parametrize("qualname,obj", [pytest.param(*o, id=o[0]) for o in public_objects()])
 def test_public_api_has_a_docstring_with_an_example(qualname, obj):
     doc = inspect.getdoc(obj) or ""
     assert "Example" in doc and ">>>" in doc, f"{qualname}: docstring without an example"
