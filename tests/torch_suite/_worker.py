@@ -118,12 +118,14 @@ def main() -> int:
 
     if rank == 0:
         print(f"torch_suite: lightning_distgrad from {_suite.package_under_test()}", flush=True)
-    for test_id in tests:
+    for index, test_id in enumerate(tests):
         class_name, method = test_id.split(".", 1)
         suite_class = suite[class_name]
-        store_file = f"{opts.records}.store"
-        if rank == 0:  # as MultiProcessTestCase.setUp: an empty file for FileStore rendezvous
-            Path(store_file).unlink(missing_ok=True)
+        # As MultiProcessTestCase.setUp: a new empty file for FileStore rendezvous. One per
+        # test: a FileStore of the test before that a rank frees late updates its file (and
+        # deletes it with its last user), which would corrupt the next test's rendezvous.
+        store_file = f"{opts.records}.test{index}.store"
+        if rank == 0:
             Path(store_file).touch()
         _polite_barrier(comm)
         for stream in (sys.stdout, sys.stderr):
