@@ -27,6 +27,8 @@ from lightning_distgrad.rpc._transport.doorbell import ArmedBackoff, Doorbell, L
 from lightning_distgrad.rpc._transport.engine import QUIET_NAP_S, RUNG_QUIET_NAP_S
 
 BODY = Frame(Kind.RREF_FORK, -1, None, (), ("body",))
+#: Tries at a check that needs the progress thread in a nap (not between two) at one instant.
+ATTEMPTS = 20
 
 
 def make_transport(comm, on_frame=lambda source, frame, tensors: None) -> Transport:
@@ -503,10 +505,25 @@ def test_a_send_posted_while_the_poller_naps_long_wakes_it_and_a_waiters_send_do
         if transport.rank == 0:
             transport._last_traffic -= 10.0
             transport.start()
-            assert wait_until(lambda: transport._napping_long), "the poller never napped long"
-            transport.send(1, BODY, [])
-            assert "self" in rung, rung
-            assert wait_until(lambda: not transport._sender.sends), "the frame was never received"
+            # Whether the poller napped long as the send was posted (under the same lock): it
+            # may be between two naps, polling, and then needs no ring.
+            napping_long_at_post = []
+            post = transport._sender.post
+            monkeypatch.setattr(
+                transport._sender,
+                "post",
+                lambda *args: (napping_long_at_post.append(transport._napping_long), post(*args)),
+            )
+            for _ in range(ATTEMPTS):
+                assert wait_until(lambda: transport._napping_long), "the poller never napped long"
+                rung.clear()
+                transport.send(1, BODY, [])
+                assert wait_until(lambda: not transport._sender.sends), "the frame was not received"
+                if napping_long_at_post[-1]:
+                    assert "self" in rung, rung
+                    break
+            assert any(napping_long_at_post), f"no send met a long nap in {ATTEMPTS} tries"
+            transport._sender.post = post
             rung.clear()
             rung_by_the_send = []
 
@@ -518,8 +535,11 @@ def test_a_send_posted_while_the_poller_naps_long_wakes_it_and_a_waiters_send_do
 
             assert transport.drive_until(sent_once)
             assert rung_by_the_send == [[1]]  # its destination only
+            mpi_comm.send(len(napping_long_at_post) + 1, dest=1)  # frames sent to rank 1
         elif transport.rank == 1:
-            assert _poll_until(transport, lambda: len(delivered) == 2), delivered
+            assert _poll_until(transport, lambda: mpi_comm.Iprobe(source=0)), "no count came"
+            sent = mpi_comm.recv(source=0)
+            assert _poll_until(transport, lambda: len(delivered) == sent), delivered
     finally:
         if transport.rank == 0:
             transport.stop()
