@@ -17,6 +17,8 @@ from pathlib import Path
 MiB, GiB = 1 << 20, 1 << 30
 RESULTS = Path(__file__).resolve().parent / "results"
 TP = "TensorPipe"
+#: The anchor of a call's messages sent with no agent around them (``rpc_latency.wire_floor``).
+FLOOR = "our pickling and frames alone, no agent"
 LOAD_AT_START = os.getloadavg()
 _OPS = {"<=": operator.le, ">=": operator.ge}
 warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")  # torch's RPC start-up

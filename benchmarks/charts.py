@@ -8,11 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from _harness import TP, mpi_name
+from _harness import FLOOR, TP, mpi_name
 
 OURS, IPC, STAGED = "ours", "ours, CUDA IPC", "ours, staged through host memory"
 COLORS = {OURS: "tab:blue", IPC: "tab:blue", STAGED: "lightsteelblue", TP: "tab:orange"}
-COLORS["our pickling and frames alone, no agent"] = "lightsteelblue"
+COLORS[FLOOR] = "lightsteelblue"
 COLORS |= dict.fromkeys(["raw MPI", "raw MPI Send+Recv", "mpi4py request/reply loop"], "tab:gray")
 SCALE = {"us": 1e6, "ms": 1e3, "GB/s": 1.0, "req/s": 1.0}
 

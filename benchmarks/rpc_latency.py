@@ -13,7 +13,19 @@ import time
 from statistics import median
 
 import torch
-from _harness import TP, Stack, costs, echo, parse, ping_pong, row, run, sample, sleep_barrier
+from _harness import (
+    FLOOR,
+    TP,
+    Stack,
+    costs,
+    echo,
+    parse,
+    ping_pong,
+    row,
+    run,
+    sample,
+    sleep_barrier,
+)
 from mpi4py import MPI
 
 FIGURES = [  # (key, metric, target on ours / TensorPipe)
@@ -30,7 +42,6 @@ COSTS = [
     ("voluntary", "voluntary context switches per call", "/call"),
 ]
 SIDES = ("caller", "callee")
-FLOOR = "our pickling and frames alone, no agent"
 
 
 def stack_round(kind: str, comm: MPI.Comm, reps: int, quiet_reps: int, idle_s: float) -> dict:

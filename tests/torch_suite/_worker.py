@@ -121,9 +121,9 @@ def main() -> int:
     for index, test_id in enumerate(tests):
         class_name, method = test_id.split(".", 1)
         suite_class = suite[class_name]
-        # As MultiProcessTestCase.setUp: a new empty file for FileStore rendezvous. One per
-        # test: a FileStore of the test before that a rank frees late updates its file (and
-        # deletes it with its last user), which would corrupt the next test's rendezvous.
+        # As MultiProcessTestCase.setUp: a new empty file for FileStore rendezvous, one per
+        # test, so that a FileStore freed late (it updates its file, and deletes it with its
+        # last user) touches only its own test's file.
         store_file = f"{opts.records}.test{index}.store"
         if rank == 0:
             Path(store_file).touch()
