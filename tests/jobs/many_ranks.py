@@ -83,9 +83,10 @@ def backward_through_every_rank(world: int) -> None:
 
 
 def optimizer_over_every_rank(world: int) -> None:
-    """Rank 0: one DistributedOptimizer over one parameter per rank, one SGD step."""
+    """Rank 0: one DistributedOptimizer over one parameter per rank, one SGD step (a plain
+    one on the owners: see ``PlainSGD``; the local reference is ``torch.optim.SGD``)."""
     params = [rpc.remote(r, remote.parameter) for r in range(world)]
-    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=LR)
+    optimizer = DistributedOptimizer(remote.PlainSGD, params, lr=LR)
     scales = [1.0 + r / world for r in range(world)]
     with dist_autograd.context() as context_id:
         terms = [
