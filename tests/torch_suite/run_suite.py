@@ -3,9 +3,12 @@
 The test classes of the installed torch (``RpcTest``, ``DistAutogradTest``,
 ``DistOptimizerTest``, ``RemoteModuleTest``, the examples, torch's DDP under distributed
 autograd, ...; the CUDA classes where torch sees a GPU) run with ``torch.distributed.rpc`` and
-friends resolved to this package (see ``_suite.py``), each class in jobs of its ``world_size``
-ranks (4, or 2 and 3 for the RemoteModule classes, 6 for ``DdpUnderDistAutogradTest``), many
-tests per job, MPI rank r playing ``self.rank``.
+friends resolved to this package (see ``_suite.py``) in jobs of each class's ``world_size``
+ranks (4, or 2 and 3 for the RemoteModule classes, 6 for ``DdpUnderDistAutogradTest``), MPI
+rank r playing ``self.rank``. The classes of one world size share their jobs: every test
+restores a fresh copy of torch's RPC modules and gets its own rendezvous file, as in a
+process of its own, and a job's start (4 processes importing torch's test harness) costs
+more than most classes' tests.
 The package under test is the one in the CURRENT DIRECTORY::
 
     cd <checkout> && python tests/torch_suite/run_suite.py                    # everything
@@ -34,7 +37,7 @@ excluded tests too (and reports them; they do not fail the run).
 Results: ``--out DIR`` (default: a new folder under $TMPDIR) gets ``report.json`` (every
 test: class, outcome, seconds, traceback of each failing rank, exclusion reason), ``summary.txt``
 (the table printed at the end: pass/fail/hang/crash/skip/excluded per class) and the
-per-rank logs of each job (``<class>.job<k>.rank<r>.out/err``).
+per-rank logs of each job (``ranks<n>.job<k>.rank<r>.out/err``).
 """
 
 from __future__ import annotations
@@ -173,19 +176,18 @@ def combine(test: str, per_rank: list[dict[str, dict]]) -> Result | None:
     return Result(test, "pass", seconds, notes)
 
 
-def run_class(
-    class_name: str,
+def run_tests(
     world_size: int,
     tests: list[str],
     opts: argparse.Namespace,
     out: Path,
     launcher: mpi_launch.Launcher,
 ) -> list[Result]:
-    """Run ``tests`` of one class in as few jobs as hangs and crashes allow."""
+    """Run ``tests`` on ``world_size`` ranks in as few jobs as hangs and crashes allow."""
     results: list[Result] = []
     remaining = list(tests)
     while remaining:
-        name = f"{class_name}.job{next(_JOB_NUMBERS)}"
+        name = f"ranks{world_size}.job{next(_JOB_NUMBERS)}"
         prefix = str(out / name)
         Path(prefix + ".tests.json").write_text(json.dumps(remaining))
         argv = [
@@ -401,19 +403,16 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     results: list[Result] = []
-    for class_name, suite_class in suite.items():
-        tests = [t for t in selected if t.split(".")[0] == class_name]
-        to_run = []
-        for test in tests:
-            if test in excluded and not opts.include_excluded:
-                results.append(Result(test, "excluded", reason=excluded[test]))
-            else:
-                to_run.append(test)
+    by_world_size: dict[int, list[str]] = {}  # in the order of the classes
+    for test in selected:
+        if test in excluded and not opts.include_excluded:
+            results.append(Result(test, "excluded", reason=excluded[test]))
+        else:
+            by_world_size.setdefault(suite[test.split(".")[0]].world_size, []).append(test)
+    for world_size, to_run in by_world_size.items():
         # --alone: each test in a job of its own, as torch runs it (a fresh process).
-        for batch in [[t] for t in to_run] if opts.alone else [to_run] if to_run else []:
-            results.extend(
-                run_class(class_name, suite_class.world_size, batch, opts, out, launcher)
-            )
+        for batch in [[t] for t in to_run] if opts.alone else [to_run]:
+            results.extend(run_tests(world_size, batch, opts, out, launcher))
     for r in results:
         r.reason = excluded.get(r.test, "")
 
