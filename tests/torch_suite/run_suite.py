@@ -22,7 +22,7 @@ one without is a substring of it (``-k RpcTest`` also selects ``TensorPipeAgentR
 
 A test that runs longer than ``--hang-timeout`` seconds (default 90) ends its job (every
 thread's stack is in the per-rank log first); a rank that dies ends its job too. That test
-is reported ``hang`` or ``crash`` and the rest of its class goes on in a fresh job.
+is reported ``hang`` or ``crash`` and the tests after it go on in a fresh job.
 
 ``excluded.txt`` (in this folder, one test a line, ``Class.test_name  reason``) lists the
 tests not run. Each reason starts with one of ``internal:`` (tests a torch-internal object
