@@ -34,9 +34,8 @@ DEFAULT_RPC_TIMEOUT_S = 60.0
 
 # ``init_process_group`` returns on every rank only once every rank has set its default
 # group, as it did by default when torch's DDP-under-RPC tests were written: their master,
-# its own init done, has a trainer call ``dist.new_group`` over RPC, which fails ("Default
-# process group has not been initialized") if that trainer's main thread has joined the
-# group's rendezvous but not yet set it (with 6 ranks on 2 cores, 1 test in 6 under load).
+# its own init done, has each trainer call ``dist.new_group`` over RPC, which needs that
+# trainer's default group set.
 os.environ["TORCH_DIST_INIT_BARRIER"] = "1"
 
 
