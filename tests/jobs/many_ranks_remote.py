@@ -79,7 +79,8 @@ def current_parameter() -> torch.Tensor:
 class PlainSGD(torch.optim.Optimizer):
     """``p -= lr * p.grad``, the update of ``torch.optim.SGD`` with its defaults.
 
-    It does not run ``torch.optim.Optimizer.__init__``, which imports ``torch._dynamo``
+    A ``torch.optim.Optimizer`` subclass, as ``DistributedOptimizer`` takes only those, that
+    does not run ``torch.optim.Optimizer.__init__``, which imports ``torch._dynamo``
     (about 2 CPU-seconds a process): in a 16-rank job on 2 cores that import on every rank
     would be half the job's time, and it tests nothing of the package. The optimizer's
     fan-out to every rank is what this job checks; torch's own optimizer classes are
