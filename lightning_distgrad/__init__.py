@@ -10,7 +10,6 @@ from . import (
 from ._register import register_strategy_with_lightning
 
 __all__ = ["rpc", "autograd", "DistAutogradStrategy", "MPIClusterEnvironment"]
-__version__ = "0.1.0"
 
 # `Trainer(strategy="distgrad")` works after `import lightning_distgrad`; Lightning itself is
 # imported only when used (see `_register`), so RPC-only programs start fast.
@@ -20,6 +19,17 @@ _LIGHTNING_NAMES = ("DistAutogradStrategy", "MPIClusterEnvironment")
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        # pyproject's version is the one source: the installed distribution's metadata, read
+        # on first use so that the import does not scan sys.path for it.
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            value = version(__name__)
+        except PackageNotFoundError:  # imported from a source tree that was never installed
+            value = "0+unknown"
+        globals()["__version__"] = value
+        return value
     if name in _LIGHTNING_NAMES:
         from . import lightning
 
