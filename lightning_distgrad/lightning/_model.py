@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ __all__ = [
     "install_forward",
     "replicate",
     "hyperparameters",
+    "constructor_arguments",
     "same_hyperparameters",
     "warn_backward_override",
 ]
@@ -135,6 +137,16 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The first param group's values of the optimizer's constructor arguments."""
     group = optimizer.param_groups[0]
     return {k: group[k] for k in optimizer.defaults if k in group and k != "params"}
+
+
+def constructor_arguments(optimizer_class: type, hparams: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``hparams`` that ``optimizer_class``'s constructor takes: ``defaults`` may
+    hold more (AdamW's holds Adam's ``decoupled_weight_decay`` in newer torch, which its own
+    constructor refuses); the rest reach the param groups with the first push."""
+    parameters = inspect.signature(optimizer_class.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(hparams)
+    return {k: v for k, v in hparams.items() if k in parameters}
 
 
 def same_hyperparameters(a: dict[str, Any], b: dict[str, Any]) -> bool:

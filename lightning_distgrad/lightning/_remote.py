@@ -1,10 +1,11 @@
 """What the strategy asks parameter owners (serving ranks) to do, over RPC.
 
-Each handler is a small module-level function run on the owner: the gradient norms and the
-gradient scaling of gradient clipping (on the gradients that distributed autograd accumulated in
-a context there), hyper-parameter updates of the owner's local optimizers (LR schedulers), the
-end-of-stage reports that release a serving rank's serve loop, and the hand-over of a
-``RemoteModule`` shared by all trainers. Callers fan out with ``rpc._internal.call_all``.
+Each handler is a small module-level function run on the owner: the optimizer step on the
+gradients that distributed autograd accumulated there in the trainers' contexts (summed, and
+clipped), the gradient norms of gradient clipping, hyper-parameter updates of the owner's local
+optimizers (LR schedulers), the end-of-stage reports that release a serving rank's serve loop,
+and the hand-over of a ``RemoteModule`` shared by all trainers. Callers fan out with
+``rpc._internal.call_all``.
 """
 
 from __future__ import annotations
@@ -27,14 +28,42 @@ __all__ = ["StageReport", "stage_board"]
 # --- Gradients in a context, on the owner --------------------------------------------------------
 
 
-def grad_sq_norm(context_ids: Sequence[int]) -> float:
-    """``sum ||g||^2`` over this worker's leaves, where ``g`` sums each leaf's gradients over the
-    contexts: the squared norm of the update that the trainers' steps apply here together."""
+#: Gradient clipping that waits for the step: ``("scale", coef)`` (by norm) or ``("clamp",
+#: clip_value)`` (by value), applied in order to the summed gradients.
+Clip = tuple[str, float]
+
+
+def summed_gradients(
+    context_ids: Sequence[int], clips: Sequence[Clip] = ()
+) -> dict[torch.Tensor, torch.Tensor]:
+    """``{leaf: g}`` over this worker's leaves, ``g`` the sum of the leaf's gradients over the
+    contexts (in their order, so every run adds alike) with ``clips`` applied: the update that
+    the trainers' steps apply here together. Leaves with no gradient in any context are absent.
+    """
     totals: dict[torch.Tensor, torch.Tensor] = {}  # tensors hash by identity
     for context_id in context_ids:
         for leaf, grad in dist_autograd._gradients_here(context_id).items():
             totals[leaf] = grad if leaf not in totals else totals[leaf] + grad
-    return math.fsum(sq_norm(g) for g in totals.values())
+    for kind, value in clips:
+        totals = {
+            leaf: grad * value if kind == "scale" else _clamp(grad, value)
+            for leaf, grad in totals.items()
+        }
+    return totals
+
+
+def grad_sq_norm(context_ids: Sequence[int], clips: Sequence[Clip] = ()) -> float:
+    """``||g||^2`` summed over this worker's leaves, ``g`` as in :func:`summed_gradients`."""
+    return math.fsum(sq_norm(g) for g in summed_gradients(context_ids, clips).values())
+
+
+def step_on_sum(
+    local_optim_rref: rpc.RRef, context_ids: Sequence[int], clips: Sequence[Clip]
+) -> None:
+    """One step of an owner's local optimizer on the gradients summed over ``context_ids``
+    (every trainer's context of the step; each holds its ``1/num_trainers`` share, so the sum
+    is the trainers' mean gradient), clipped as ``clips`` say."""
+    local_optim_rref.local_value().step_with(summed_gradients(context_ids, clips))
 
 
 def sq_norm(grad: torch.Tensor) -> float:
@@ -43,27 +72,11 @@ def sq_norm(grad: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(values, 2.0, dtype=torch.float64)) ** 2
 
 
-def scale_grads(context_id: int, coef: float) -> None:
-    """Multiply every gradient of ``context_id`` on this worker by ``coef``."""
-    ctx = dist_autograd._find_context(context_id)
-    if ctx is not None:
-        ctx.map_gradients(lambda grad: grad * coef)
-
-
-def clamp_grads(context_id: int, clip_value: float) -> None:
-    """Clamp every gradient of ``context_id`` on this worker to ``[-clip_value, clip_value]``."""
-    ctx = dist_autograd._find_context(context_id)
-    if ctx is not None:
-        ctx.map_gradients(lambda grad: _clamp(grad, clip_value))
-
-
-def _clamp(grad: torch.Tensor, clip_value: float) -> torch.Tensor:
+def _clamp(grad: torch.Tensor, clip: float) -> torch.Tensor:
     if not grad.is_sparse:
-        return grad.clamp(-clip_value, clip_value)
+        return grad.clamp(-clip, clip)
     grad = grad.coalesce()
-    return torch.sparse_coo_tensor(
-        grad.indices(), grad.values().clamp(-clip_value, clip_value), grad.shape
-    )
+    return torch.sparse_coo_tensor(grad.indices(), grad.values().clamp(-clip, clip), grad.shape)
 
 
 # --- RemoteModules under mixed precision, on the owner --------------------------------------------
@@ -145,17 +158,19 @@ def report_stage(report: StageReport) -> None:
 
 _shared_lock = threading.Lock()
 _shared: dict[int, Any] = {}
-_shared_keys = itertools.count()  # numbers shared modules in creation order, alike on all trainers
+_shared_keys = itertools.count()  # numbers the objects trainer 0 hands out
 
 
 def share(collectives: Any, trainers: Sequence[int], create: Callable[[], Any]) -> Any:
     """``create()`` on trainer 0, handed to every other trainer (ranks ``trainers``): the same
     object everywhere. A collective over the trainers (``collectives``)."""
-    key = next(_shared_keys)
+    key = None
     if collectives.rank == 0:
-        module = create()
+        key, module = next(_shared_keys), create()
         call_all([(rank, stash_shared, (key, module)) for rank in trainers[1:]])
-    collectives.barrier()
+    # Trainer 0's key, once every stash has arrived; a rank's own count could differ (it may
+    # have served in an earlier fit).
+    key = collectives.broadcast(key, 0)
     if collectives.rank != 0:
         module = take_shared(key)
     return module

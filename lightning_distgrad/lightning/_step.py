@@ -8,6 +8,10 @@ see them), and updates the remote parameters with a
 (its class, and the hyper-parameters of its first param group, pushed whenever they change).
 It also clips the step's gradients, local and remote, since it owns the remote gradients and
 can compute their norm across trainers (the precision plugins hand clipping to it).
+
+Shared (``sync_remote_updates=True``), all trainers hold one remote optimizer, which steps once
+per step on the sum of the trainers' contexts, as DDP's optimizer steps once on the averaged
+``.grad``: every ``torch.optim`` optimizer, weight decay and clipping then give DDP's numbers.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from ..optim import DistributedOptimizer
 from ..rpc._internal import call_all
 from . import _remote
 from ._collectives import TrainerCollectives
-from ._model import hyperparameters, same_hyperparameters
+from ._model import constructor_arguments, hyperparameters, same_hyperparameters
 
 __all__ = ["DistributedStep"]
 
@@ -36,20 +40,28 @@ class DistributedStep:
     """The distributed state of the current optimisation step, and the remote optimizer.
 
     ``loss_scale`` multiplies each backward pass's root: ``1/num_trainers`` with remote modules,
-    so that every trainer's remote update carries its share of the mean gradient; local
-    gradients are unscaled again when copied to ``.grad``.
+    so that every trainer's context holds its share of the mean gradient; local gradients are
+    unscaled again when copied to ``.grad``. ``shared``: one remote optimizer for all trainers,
+    stepped once a step on the sum of their contexts (else one per trainer, each stepped on its
+    own context: trainers run ahead, Hogwild-style).
     """
 
     def __init__(self) -> None:
         self.context: dist_autograd.context | None = None
         self.context_id: int | None = None
         self.loss_scale = 1.0
+        self.shared = True
         self.optimizer: DistributedOptimizer | None = None  # over the remote parameters
         self._driver: torch.optim.Optimizer | None = None  # the user's, which it mirrors
         self._collectives: TrainerCollectives | None = None
         self._servers: tuple[int, ...] = ()
         self._seen: dict[Tensor, Tensor] = {}  # context gradients already added to .grad
         self._pushed: dict[str, Any] | None = None  # hyper-parameters the remote side has
+        # Per step (reset with the context): the remote gradients' clipping, applied at the
+        # step, and every trainer's context id (on trainer 0), gathered once.
+        self._clips: list[_remote.Clip] = []
+        self._context_ids: list[int] | None = None
+        self._gathered = False
 
     # --- the context ---------------------------------------------------------------------------
 
@@ -60,14 +72,17 @@ class DistributedStep:
         context = dist_autograd.context()
         self.context_id = context.__enter__()
         self.context = context
-        self._seen = {}
+        self._forget_step()
 
     def close(self) -> None:
         """Release the context, here and on every worker it reached (nothing if none is open)."""
         context, self.context, self.context_id = self.context, None, None
-        self._seen = {}
+        self._forget_step()
         if context is not None:
             context.__exit__(None, None, None)
+
+    def _forget_step(self) -> None:
+        self._seen, self._clips, self._context_ids, self._gathered = {}, [], None, False
 
     @contextlib.contextmanager
     def scope(self) -> Generator[None, None, None]:
@@ -118,15 +133,22 @@ class DistributedStep:
         optimizer: torch.optim.Optimizer,
         remote_modules: list[tuple[str, RemoteModule]],
         collectives: TrainerCollectives,
+        trainers: tuple[int, ...],
         servers: tuple[int, ...],
     ) -> None:
         """A DistributedOptimizer of ``optimizer``'s class and first param group's settings
         over the remote modules' parameters (held by ``servers``); ``collectives``: the
-        trainers'."""
+        trainers' (ranks ``trainers``). With :attr:`shared`, trainer 0 builds it and every
+        trainer gets the same one (a collective over the trainers)."""
         hparams = hyperparameters(optimizer)
         rrefs = [r for _, module in remote_modules for r in module.remote_parameters()]
-        self.optimizer = DistributedOptimizer(type(optimizer), rrefs, **hparams)
-        self._pushed = copy.deepcopy(hparams)
+
+        def build() -> DistributedOptimizer:
+            kwargs = constructor_arguments(type(optimizer), hparams)
+            return DistributedOptimizer(type(optimizer), rrefs, **kwargs)
+
+        self.optimizer = _remote.share(collectives, trainers, build) if self.shared else build()
+        self._pushed = None  # the first step pushes what the constructor did not take
         self._driver, self._collectives, self._servers = optimizer, collectives, servers
 
     def drop_optimizer(self) -> None:
@@ -141,8 +163,27 @@ class DistributedStep:
         self._pushed = None
 
     def step_remote(self, optimizer: torch.optim.Optimizer) -> None:
-        """Push changed hyper-parameters, then step the remote parameters with the context's
-        gradients."""
+        """Step the remote parameters, clipped as this step's clipping asked.
+
+        Shared (a collective over the trainers): trainer 0 steps the one remote optimizer on
+        the sum of every trainer's context (the mean gradient) while the others wait, so their
+        contexts stay open for the step and their next forward pass reads its result.
+        Otherwise this trainer's own optimizer steps on its own context.
+        """
+        if not self.shared:
+            self._push_hyperparameters(optimizer)
+            self._step_owners([self.context_id])
+            return
+        context_ids = self._gathered_context_ids()
+
+        def step() -> None:
+            self._push_hyperparameters(optimizer)
+            self._step_owners(context_ids)
+
+        self._on_trainer_zero("the remote parameters' update", step)
+
+    def _push_hyperparameters(self, optimizer: torch.optim.Optimizer) -> None:
+        """Send the user's optimizer's values to the remote optimizer if they changed."""
         hparams = hyperparameters(optimizer)
         if self._pushed is None or not same_hyperparameters(hparams, self._pushed):
             call_all(
@@ -150,7 +191,13 @@ class DistributedStep:
                 for o in self.optimizer.remote_optimizers
             )
             self._pushed = copy.deepcopy(hparams)
-        self.optimizer.step(self.context_id)
+
+    def _step_owners(self, context_ids: list[int]) -> None:
+        clips = list(self._clips)
+        call_all(
+            (o.owner(), _remote.step_on_sum, (o, context_ids, clips))
+            for o in self.optimizer.remote_optimizers
+        )
 
     # --- gradient clipping over local and remote parameters ------------------------------------
 
@@ -160,7 +207,8 @@ class DistributedStep:
 
         The norm covers the (averaged) local gradients and the remote gradients of every
         trainer's context, summed per parameter: the update this step applies. Every trainer
-        gets the same norm and scales its own gradients (local, and remote on their owners).
+        gets the same norm and scales its local gradients; the remote ones are scaled at the
+        step.
         """
         local_sq = math.fsum(_remote.sq_norm(p.grad) for p in local if p.grad is not None)
         remote = self._clips_remote(optimizer)
@@ -172,32 +220,61 @@ class DistributedStep:
                     if p.grad is not None:
                         p.grad.mul_(coef)
             if remote:
-                self._on_remote_owners(_remote.scale_grads, coef)
+                self._clips.append(("scale", coef))
         return total
 
     def clip_by_value(self, optimizer: Any, local: list[Tensor], clip_value: float) -> None:
-        """Clamp ``local`` gradients and this trainer's remote ones to ``[-clip_value,
-        clip_value]``; the remote ones carry the step's loss scale, so their bound does too."""
+        """Clamp ``local`` gradients and, at the step, the remote ones to ``[-clip_value,
+        clip_value]``: shared, the trainers' summed (mean) gradient, as DDP clamps its averaged
+        ``.grad``; otherwise this trainer's contribution, which carries the step's loss scale,
+        so its bound does too."""
         torch.nn.utils.clip_grad_value_(local, clip_value)
         if self._clips_remote(optimizer):
-            self._on_remote_owners(_remote.clamp_grads, clip_value * self.loss_scale)
+            bound = clip_value if self.shared else clip_value * self.loss_scale
+            self._clips.append(("clamp", bound))
 
     def _clips_remote(self, optimizer: Any) -> bool:
         return self.updates_remote(optimizer) and self.context_id is not None
 
     def _remote_grad_sq_norm(self) -> float:
-        """The squared norm of the summed remote gradients of every trainer's context (a
-        collective over the trainers)."""
-        collectives = self._collectives
-        context_ids = collectives.allgather_object(self.context_id)
-        total = None
-        if collectives.rank == 0:
-            total = math.fsum(
-                call_all((server, _remote.grad_sq_norm, (context_ids,)) for server in self._servers)
-            )
-        return collectives.broadcast(total, 0)
+        """The squared norm of the summed remote gradients of every trainer's context (with
+        the clipping already asked for this step, when shared; a collective over the
+        trainers)."""
+        context_ids = self._gathered_context_ids()
+        clips = list(self._clips) if self.shared else []
+        return self._on_trainer_zero(
+            "the remote gradients' norm",
+            lambda: math.fsum(
+                call_all(
+                    (server, _remote.grad_sq_norm, (context_ids, clips)) for server in self._servers
+                )
+            ),
+        )
 
-    def _on_remote_owners(self, func: Callable, *args: Any) -> None:
-        """Run ``func(context_id, *args)`` on every owner of remote parameters."""
-        owners = {o.owner().id for o in self.optimizer.remote_optimizers}
-        call_all((owner, func, (self.context_id, *args)) for owner in sorted(owners))
+    # --- collectives over the trainers ---------------------------------------------------------
+
+    def _gathered_context_ids(self) -> list[int] | None:
+        """Every trainer's context of this step, in trainer order, on trainer 0 (None on the
+        others): a gather over the trainers, run once a step."""
+        if not self._gathered:
+            self._context_ids = self._collectives.gather_object(self.context_id, root=0)
+            self._gathered = True
+        return self._context_ids
+
+    def _on_trainer_zero(self, what: str, work: Callable[[], Any]) -> Any:
+        """``work()`` on trainer 0 and its result on every trainer (a collective over the
+        trainers, which leave it once trainer 0 is done); if it raised, every trainer raises
+        (``what``: what it does, for the others' error)."""
+        result, failure = None, None
+        if self._collectives.rank == 0:
+            try:
+                result = work()
+            except Exception as error:
+                failure = error
+        described = None if failure is None else f"{type(failure).__name__}: {failure}"
+        result, described = self._collectives.broadcast((result, described), 0)
+        if failure is not None:
+            raise failure
+        if described is not None:
+            raise RuntimeError(f"DistAutogradStrategy: {what} failed on trainer 0: {described}")
+        return result

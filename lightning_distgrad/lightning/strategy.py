@@ -30,9 +30,11 @@ from ..nn import RemoteModule, ReplicatedModule
 from ..rpc._internal import record_rpcs
 from . import _remote, _requeue
 from ._checkpoint import (
+    REMOTE_OPTIMIZER_STATE,
     REMOTE_OPTIMIZER_STATES,
     load_model_state,
     load_remote_optimizer_state,
+    pop_remote_optimizer_state,
     with_remote_optimizer_states,
     with_remote_parameters,
 )
@@ -47,7 +49,7 @@ from ._parallel import MPIRolesStrategy
 from ._precision import DistGradClipping, DistGradPrecision, adopt_precision
 from ._step import DistributedStep
 
-__all__ = ["DistAutogradStrategy", "REMOTE_OPTIMIZER_STATES"]
+__all__ = ["DistAutogradStrategy", "REMOTE_OPTIMIZER_STATE", "REMOTE_OPTIMIZER_STATES"]
 
 log = logging.getLogger(__name__)
 
@@ -86,19 +88,21 @@ class DistAutogradStrategy(MPIRolesStrategy):
     ``parameters()``, ``state_dict()``, ``.to()`` and the model summary see local parameters
     only. Create them on serving ranks, in ``configure_model``, with :meth:`remote_module`: one
     module shared by all trainers (module constructors run on the server's RPC threads; draw
-    random initial values from a ``torch.Generator`` to make them reproducible). Each trainer's
-    update of a remote module carries ``1/num_trainers`` of its gradient, so with SGD a step
-    applies the mean gradient over all trainers' batches, exactly as for the local parameters.
-    The first optimizer of ``configure_optimizers`` also updates the remote parameters: a
+    random initial values from a ``torch.Generator`` to make them reproducible). The first
+    optimizer of ``configure_optimizers`` also updates the remote parameters: one
     ``DistributedOptimizer`` of its class with the hyper-parameters of its first param group,
-    which follows LR schedulers (changed values are pushed before each step).
+    shared by all trainers, which follows LR schedulers (changed values are pushed before each
+    step). Each step, trainer 0 steps it once on the mean of all trainers' remote gradients
+    while the other trainers wait, as DDP's optimizer steps once on the averaged ``.grad``: Adam,
+    weight decay and every other ``torch.optim`` optimizer give DDP's numbers.
 
     Gradient clipping by norm (``gradient_clip_val``, or ``self.clip_gradients`` under manual
-    optimisation) uses one global norm over the local gradients and the remote gradients of
-    all trainers' contexts; clipping by value clamps each trainer's contribution. Checkpoints
-    hold the remote modules' parameters under their attribute names (as a local model's
-    ``state_dict`` would) and every trainer's remote optimizer state; resuming restores both.
-    ``precision="bf16-mixed"`` also runs the remote modules' forward under autocast.
+    optimisation) uses one global norm over the local gradients and the trainers' mean remote
+    gradient; clipping by value clamps that mean, as DDP clamps its averaged ``.grad``.
+    Checkpoints hold the remote modules' parameters under their attribute names (as a local
+    model's ``state_dict`` would) and the remote optimizer's state, the same on every trainer;
+    resuming restores both. ``precision="bf16-mixed"`` also runs the remote modules' forward
+    under autocast.
 
     Args:
         num_servers (int, optional): the last ``num_servers`` ranks serve (default: none).
@@ -107,9 +111,15 @@ class DistAutogradStrategy(MPIRolesStrategy):
             the trainers, as DDP does, and start every trainer from trainer 0's values (default
             True). With False only :class:`~lightning_distgrad.nn.ReplicatedModule`\ s found in
             the LightningModule are synchronised; other local parameters stay per trainer.
-        sync_remote_updates (bool): with several trainers, wait after each step until every
-            trainer's remote update is applied, so the next forward pass reads the same remote
-            parameters everywhere (default True). False lets trainers run ahead (Hogwild-style).
+        sync_remote_updates (bool): one remote optimizer for all trainers, stepped once per
+            step on their mean gradient while they wait, as DDP (default True). False lets
+            trainers run ahead, Hogwild-style: each trainer has its own remote optimizer (its
+            own Adam moments, say) and steps it on its own ``1/num_trainers`` share of the
+            gradient whenever it gets there, so weight decay is applied once per trainer,
+            stateful optimizers see each trainer's share as a separate step, clipping by value
+            clamps each share, and a forward pass may read parameters that another trainer is
+            updating. Only SGD without weight decay, which is linear in the gradient, then adds
+            up to DDP's update.
         **options: the settings below, by keyword.
         rpc_timeout (float): default timeout of the RPCs, in seconds (0: none). Default 60.
         num_worker_threads (int): threads that run incoming RPCs on each rank. Default 16.
@@ -250,6 +260,7 @@ class DistAutogradStrategy(MPIRolesStrategy):
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         self._step.drop_optimizer()
+        self._step.shared = self.sync_remote_updates
         if not self._remote_modules:
             return
         if not self.optimizers:
@@ -259,7 +270,11 @@ class DistAutogradStrategy(MPIRolesStrategy):
             )
             return
         self._step.build_optimizer(
-            self.optimizers[0], self._remote_modules, self._collectives, self.roles.servers
+            self.optimizers[0],
+            self._remote_modules,
+            self._collectives,
+            self.roles.trainers,
+            self.roles.servers,
         )
 
     @override
@@ -339,14 +354,10 @@ class DistAutogradStrategy(MPIRolesStrategy):
                 )
             after_closure(self.precision_plugin, model, optimizer)  # hooks and clipping
             optimizer.step(**kwargs)  # the local parameters, from `.grad`
-            barrier = False
             if self._step.updates_remote(optimizer):
-                self._step.step_remote(optimizer)
-                barrier = self.sync_remote_updates and self.num_trainers > 1
+                self._step.step_remote(optimizer)  # shared: every trainer waits for the update
             if self.requeue.armed:
-                self.requeue.vote(self._collectives)  # an allreduce: the barrier too
-            elif barrier:
-                self._collectives.barrier()
+                self.requeue.vote(self._collectives)
         finally:
             if model.automatic_optimization:
                 self._step.close()
@@ -368,14 +379,14 @@ class DistAutogradStrategy(MPIRolesStrategy):
         raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         if self._step.optimizer is None or not self.optimizers or raw is not self.optimizers[0]:
             return state
-        return with_remote_optimizer_states(state, self._step.optimizer, self._collectives)
+        return with_remote_optimizer_states(state, self._step, self._collectives)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint["optimizer_states"]
         for index, (optimizer, state) in enumerate(zip(self.optimizers, states, strict=False)):
             state = dict(state)
-            remote = state.pop(REMOTE_OPTIMIZER_STATES, None)
+            remote = pop_remote_optimizer_state(state)
             optimizer.load_state_dict(state)
             optimizers_to_device([optimizer], self.root_device)
             if index == 0 and self._step.optimizer is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import copy
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -48,7 +48,10 @@ class _LocalOptimizer:
         self.optim = optim_cls(self._local_params, *args, **kwargs)
 
     def step(self, context_id: int) -> None:
-        grads = dist_autograd._gradients_here(context_id)
+        self.step_with(dist_autograd._gradients_here(context_id))
+
+    def step_with(self, grads: Mapping[torch.Tensor, torch.Tensor]) -> None:
+        """One step with ``grads`` (``{parameter: gradient}``) as the parameters' ``.grad``."""
         with _LocalOptimizer.global_lock:
             # A parameter without a gradient in this context gets ``grad=None``,
             # which every torch.optim optimizer skips: it is left unchanged.
