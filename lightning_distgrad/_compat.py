@@ -7,6 +7,11 @@ names are resolved at import, Lightning's are checked by :func:`check_lightning_
 missing one raises ``ImportError`` naming it. The releases it supports are in ``_versions``,
 which checks the installed torch first.
 
+torch's own RPC is optional: on a torch build without it (Windows builds, builds without
+TensorPipe: ``torch.distributed.rpc.is_available()`` is False) the package works in full.
+``TORCH_PRIVATE_NAMES`` says which names depend on torch's RPC; each of those has a
+fallback with the same effect, and no other name may depend on it.
+
 Lightning's names are imported on first use (``from lightning_distgrad._compat import
 Launcher``), never at package import: RPC-only programs do not load Lightning.
 """
@@ -55,10 +60,56 @@ def _private(module: str, name: str) -> Any:
         ) from None
 
 
+def _private_if_torch_rpc(module: str, name: str) -> Any:
+    """``module.name`` where torch's RPC set it up, else None (the caller's fallback)."""
+    try:
+        return _private(module, name)
+    except ImportError:
+        return None
+
+
 # --- torch ---------------------------------------------------------------------------------------
 # Each name below is spelled and behaves the same from torch 2.5 to 2.14, unless its comment
 # names the releases where it differs; tests/test_compat.py checks each one against plain torch
-# on the floor, the newest and the releases between that CI runs.
+# on the floor, the newest and the releases between that CI runs. None depends on torch's own
+# RPC unless its comment says so (then it has a fallback): TORCH_PRIVATE_NAMES lists them all.
+
+#: Every private torch name the package uses, and whether it depends on torch's own RPC (a
+#: torch build without RPC, where ``torch.distributed.rpc.is_available()`` is False, lacks
+#: it; this module then uses the fallback that its comment names). tests/test_compat.py
+#: checks it with torch's RPC and without: each independent name resolves, and each
+#: dependent one resolves exactly where torch has its RPC, its fallback is used where not.
+#: A name of an instance attribute names its class.
+TORCH_PRIVATE_NAMES: dict[str, bool] = {
+    "torch.autograd.graph._engine_run_backward": False,
+    "torch._C._functions.DelayedError": False,
+    "torch._C.Future": False,
+    "torch._C._autograd._profiler_enabled": False,
+    "torch._C._autograd._profiler_type": False,
+    "torch._C._profiler.ActiveProfilerType": False,
+    "torch.jit._builtins._find_builtin": False,
+    "torch.autograd.profiler.record_function._call_end_callbacks_on_future": False,
+    "torch.futures.Future._set_unwrap_func": False,
+    "torch.autograd.profiler.profile._parse_kineto_results": False,
+    "torch.autograd.profiler.profile._start_trace": False,
+    "torch.autograd.profiler_legacy.profile._start_trace": False,
+    "torch.autograd.profiler_legacy._parse_legacy_records": False,
+    "torch.autograd._enable_profiler_legacy": False,
+    "torch.autograd._disable_profiler_legacy": False,
+    "torch.Tensor._backward_hooks": False,
+    "torch.Tensor._post_accumulate_grad_hooks": False,
+    "torch.Tensor._indices": False,
+    "torch.Tensor._values": False,
+    "torch.autograd.graph.Node._input_metadata": False,
+    "torch.nn.Module._modules": False,
+    "torch.nn.parallel.DistributedDataParallel._module_parameters": False,
+    "torch.nn.parallel.DistributedDataParallel._delay_all_reduce_params": False,
+    "torch.distributed._composable_state._module_state_mapping": False,
+    "torch.UntypedStorage._share_cuda_": False,
+    "torch.UntypedStorage._new_shared_cuda": False,
+    "torch._C._distributed_rpc._set_profiler_node_id": True,
+    "torch.distributed.rpc.api._thread_local_var": True,
+}
 
 # Waits for a public torch.autograd.grad without its Python-side argument checks (it runs
 # them on every region of a distributed pass). Below torch 2.5 it refuses GradientEdge roots,
@@ -296,22 +347,59 @@ def module_children(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return module._modules
 
 
-# No public alternative as of torch 2.13 (torch's RPC agent calls it at init_rpc): the
-# node_id that the legacy profiler gives the events it records in this process.
-set_profiler_node_id: Callable[[int], None] = _private(
+# No public alternative as of torch 2.14 (torch's RPC agent calls it at init_rpc): the
+# node_id that the legacy profiler gives the events it records in this process. Depends on
+# torch's RPC (torch's RPC init creates torch._C._distributed_rpc); without it,
+# set_profiler_node_id gives that node_id to the events its parser returns instead.
+_torch_set_profiler_node_id: Callable[[int], None] | None = _private_if_torch_rpc(
     "torch._C._distributed_rpc", "_set_profiler_node_id"
 )
+#: The node_id of the legacy profiler's events where torch cannot set it, once set.
+_profiler_node_id: int | None = None
 # No public alternative as of torch 2.13 (torch's RPC server profiles requests with them):
 # the legacy profiler of the calling thread, on with a torch ProfilerConfig, and off,
-# returning its raw records (``list[list[ProfilerEvent]]``).
+# returning its raw records (``list[list[ProfilerEvent]]``). Defined by torch.autograd
+# itself, from torch._C._autograd: independent of torch's RPC.
 enable_legacy_profiler: Callable[[Any], None] = _private(
     "torch.autograd", "_enable_profiler_legacy"
 )
 disable_legacy_profiler: Callable[[], list] = _private("torch.autograd", "_disable_profiler_legacy")
-_legacy_profiler = _private("torch.autograd", "profiler_legacy")
+# Imported, not read as an attribute of torch.autograd: it is one only once something has
+# imported it (torch.distributed.rpc does, where torch has its RPC).
+_legacy_profiler = importlib.import_module("torch.autograd.profiler_legacy")
 _parse_legacy_records = _private("torch.autograd.profiler_legacy", "_parse_legacy_records")
 _private("torch.autograd.profiler_legacy.profile", "_start_trace")
 _private("torch.autograd.profiler.profile", "_start_trace")
+
+
+def set_profiler_node_id(node_id: int) -> None:
+    """Make the events that the legacy profiler records in this process carry ``node_id``
+    (torch's RPC agent does so at ``init_rpc``), in ``function_events`` and in the parse of
+    :func:`parse_legacy_records`.
+
+    Where torch has its RPC, torch's own call sets it on every record; where not, the
+    parser of legacy records sets it on the events it returns (those recorded in this
+    process: the remote events that :func:`watch_torch_profilers` adds carry their own).
+    """
+    global _profiler_node_id
+    if _torch_set_profiler_node_id is not None:
+        _torch_set_profiler_node_id(node_id)
+        return
+    with _parser_lock:
+        _profiler_node_id = node_id
+        _wrap_legacy_parser()
+
+
+def _parse_legacy_records_here(records: Any, *args: Any, **kwargs: Any) -> list:
+    """torch's parse of legacy records, their events given this process's node_id where
+    torch could not record it (see :func:`set_profiler_node_id`)."""
+    events = _parse_legacy_records(records, *args, **kwargs)
+    node_id = _profiler_node_id
+    if node_id is not None:
+        for event in events:
+            if event.node_id == -1 and not event.is_remote:  # -1: torch's "not set"
+                event.node_id = node_id
+    return events
 
 
 def parse_legacy_records(records: list) -> list:
@@ -321,7 +409,7 @@ def parse_legacy_records(records: list) -> list:
     No public alternative as of torch 2.13: ``torch.autograd.profiler_legacy``'s private
     parser, which its ``profile`` and torch's RPC server profiler use.
     """
-    return _parse_legacy_records(records)
+    return _parse_legacy_records_here(records)
 
 
 def legacy_profile_start_ns(records: list) -> int | None:
@@ -360,6 +448,7 @@ def watch_torch_profilers(
         if (on_start, add_legacy_events) in _watchers:
             return
         _watchers.append((on_start, add_legacy_events))
+        _wrap_legacy_parser()
         if len(_watchers) > 1:
             return  # the wrappers are in place
 
@@ -377,13 +466,20 @@ def watch_torch_profilers(
         wrap_start(torch.autograd.profiler.profile, False)
         wrap_start(_legacy_profiler.profile, True)
 
-        def parse(records: Any, *args: Any, **kwargs: Any) -> list:
-            events = _parse_legacy_records(records, *args, **kwargs)
-            for _, add in list(_watchers):
-                events = add(records, events)
-            return events
 
-        _legacy_profiler._parse_legacy_records = parse
+def _parse_watched(records: Any, *args: Any, **kwargs: Any) -> list:
+    """torch's parse of legacy records (with this process's node_id), then each watcher's
+    remote events added."""
+    events = _parse_legacy_records_here(records, *args, **kwargs)
+    for _, add in list(_watchers):
+        events = add(records, events)
+    return events
+
+
+def _wrap_legacy_parser() -> None:
+    """Make every parse of legacy records (a legacy profile's ``function_events``) go
+    through :func:`_parse_watched`; with ``_parser_lock`` held. Again changes nothing."""
+    _legacy_profiler._parse_legacy_records = _parse_watched
 
 
 def torch_rpc_thread_local() -> Any:
@@ -392,6 +488,9 @@ def torch_rpc_thread_local() -> Any:
     None when torch's RPC API is not imported.
 
     No public alternative as of torch 2.13 (``_wait_all`` and its thread-local are private).
+    Depends on torch's RPC (``torch.distributed.rpc`` imports its ``api`` only where torch
+    has its RPC); without it, None: no torch ``_wait_all()`` block can be open, and the
+    package's own blocks use a thread-local of their own.
     """
     return getattr(sys.modules.get("torch.distributed.rpc.api"), "_thread_local_var", None)
 

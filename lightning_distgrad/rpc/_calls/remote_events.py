@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+import torch.autograd.profiler_legacy  # an attribute of torch.autograd once imported
 
 from ..._compat import (
     kineto_records_this_thread,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.autograd.profiler_legacy  # an attribute of torch.autograd once imported
 
 from ..._compat import (
     disable_legacy_profiler,
