@@ -7,6 +7,12 @@ How the suite runs (``tests/run_all.sh`` does all three):
   runs the same session. Under N > 1 only ``mpi``-marked tests are selected (the
   serial ones already ran in the serial pass, and some start ``mpiexec`` themselves).
 
+Under ``LIGHTNING_DISTGRAD_TEST_WITHOUT_TORCH_RPC=1`` each of these runs on a torch whose
+own RPC is unavailable, as on a torch build without it (``tests/without_torch_rpc``): this
+module makes it so in its process, before anything imports torch, and puts that folder on
+``PYTHONPATH``, whose ``sitecustomize`` does the same in every process the tests start (MPI
+jobs, interpreters). ``tests/test_compat.py`` checks that it holds in every rank.
+
 Rules for ``mpi`` tests (pytest-mpi does not keep ranks in step for you):
 
 * Collection must be identical on every rank: no rank-dependent ``skipif`` or
@@ -35,6 +41,14 @@ import os
 import tempfile
 
 import pytest
+from without_torch_rpc import torch_rpc_off
+
+if torch_rpc_off.requested():
+    # Here, before any test module imports torch; the processes that the tests start
+    # inherit PYTHONPATH, and its sitecustomize does the same there at interpreter start.
+    torch_rpc_off.install()
+    _path = [str(torch_rpc_off.FOLDER), *filter(None, os.environ.get("PYTHONPATH", "").split(":"))]
+    os.environ["PYTHONPATH"] = ":".join(dict.fromkeys(_path))
 
 
 def _testing_mpi(config: pytest.Config) -> bool:

@@ -36,6 +36,10 @@
 #                    released context) before they fail. Raise it on a slow or busy
 #                    machine: LIGHTNING_DISTGRAD_TEST_SLOWDOWN=3 bash tests/run_all.sh
 #                    (a failed pass whose log looks like a time limit says so)
+#   LIGHTNING_DISTGRAD_TEST_WITHOUT_TORCH_RPC
+#                    1: every pass, and every job its tests start, runs on a torch whose own
+#                    RPC is unavailable, as on a torch build without it (Windows builds,
+#                    builds without TensorPipe); see tests/without_torch_rpc
 #
 # Exit code 5 (no tests collected) fails a pass, except when extra arguments were
 # given: a selection such as `-k serial_thing` may legitimately match nothing in

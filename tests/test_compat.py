@@ -2,10 +2,15 @@
 
 Serial tests: version checks with monkeypatched version strings (and once in a fresh
 interpreter, where the check runs at import), and each private API against plain torch.
+Then, with torch's own RPC and without it (``LIGHTNING_DISTGRAD_TEST_WITHOUT_TORCH_RPC=1``,
+see ``tests/without_torch_rpc``): which private names depend on it, their fallbacks, and
+that every rank and every job the suite starts runs in the mode it was started in (one MPI
+test and one serial test that starts a job).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -16,8 +21,9 @@ import warnings
 import lightning
 import pytest
 import torch
-from _job_runner import clean_env
+from _job_runner import LAUNCHER, clean_env, mpi_job
 from _timing import scaled
+from without_torch_rpc import torch_rpc_off
 
 from lightning_distgrad import _compat, _versions
 
@@ -368,3 +374,134 @@ def test_kineto_is_quieted_only_without_a_gpu(monkeypatch):
     monkeypatch.setenv("KINETO_LOG_LEVEL", "2")
     _compat.quiet_kineto_without_gpu()
     assert os.environ["KINETO_LOG_LEVEL"] == "2"  # the user's choice stays
+
+
+# ---------------------------------------------------------------------------
+# torch's own RPC: optional (run with and without it, see the module doc)
+
+
+def a_ddp_module() -> torch.nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(torch.nn.Linear(1, 1))
+
+
+#: For a private name of an instance attribute: an instance of its class.
+INSTANCES = {
+    "torch.autograd.graph.Node": lambda: (torch.ones(1, requires_grad=True) * 2).grad_fn,
+    "torch.nn.Module": torch.nn.Module,
+    "torch.nn.parallel.DistributedDataParallel": a_ddp_module,
+}
+
+
+def resolve(name: str):
+    """A name of ``_compat.TORCH_PRIVATE_NAMES``; ImportError or AttributeError if missing."""
+    owner, attribute = name.rsplit(".", 1)
+    if owner in INSTANCES:
+        return getattr(INSTANCES[owner](), attribute)
+    return _compat._private(owner, attribute)
+
+
+def torch_has_rpc() -> bool:
+    """Whether torch's own RPC is available here; never under the test mode without it."""
+    available = torch.distributed.rpc.is_available()
+    assert not (available and torch_rpc_off.requested()), "the mode did not take effect"
+    return available
+
+
+#: Each private name that depends on torch's RPC: whether its fallback is in use.
+FALLBACK_USED = {
+    "torch._C._distributed_rpc._set_profiler_node_id": lambda: (
+        _compat._torch_set_profiler_node_id is None
+    ),
+    "torch.distributed.rpc.api._thread_local_var": lambda: _compat.torch_rpc_thread_local() is None,
+}
+
+
+def test_every_private_torch_name_that_needs_no_torch_rpc_resolves(one_rank_process_group):
+    independent = [name for name, needs in _compat.TORCH_PRIVATE_NAMES.items() if not needs]
+    for name in independent:
+        resolve(name)  # raises, naming it, if missing
+    torch_has_rpc()
+
+
+def test_each_name_that_needs_torchs_rpc_falls_back_exactly_where_it_is_missing():
+    dependent = {name for name, needs in _compat.TORCH_PRIVATE_NAMES.items() if needs}
+    assert dependent == set(FALLBACK_USED)  # a new dependent name needs its check here
+    has_rpc = torch_has_rpc()
+    for name in sorted(dependent):
+        if has_rpc:
+            resolve(name)
+        else:
+            with pytest.raises((ImportError, AttributeError)):
+                resolve(name)
+        assert FALLBACK_USED[name]() is not has_rpc, name
+
+
+def test_legacy_profiler_events_carry_the_node_id_with_or_without_torchs_rpc(monkeypatch):
+    monkeypatch.setattr(_compat, "_profiler_node_id", None)  # the fallback's, restored after
+    # 0: what init_rpc sets in a process alone (torch's own call takes no "unset" back).
+    _compat.set_profiler_node_id(0)
+    with torch.autograd.profiler_legacy.profile() as prof:
+        torch.add(torch.ones(1), 1)
+    assert {e.node_id for e in prof.function_events} == {0}  # -1 where none was set
+    _compat.enable_legacy_profiler(prof.config())
+    torch.mul(torch.ones(1), 2)
+    events = _compat.parse_legacy_records(_compat.disable_legacy_profiler())
+    assert "aten::mul" in {e.name for e in events}
+    assert {e.node_id for e in events} == {0}
+
+
+def rpc_and_autograd_work(rank: int, peer: str) -> None:
+    """A call, an RRef and a distributed backward between this rank and ``peer`` (run by an
+    MPI test's ranks and by a job's)."""
+    import lightning_distgrad.autograd as dist_autograd
+    from lightning_distgrad import rpc
+
+    x = torch.ones(2)
+    assert torch.equal(rpc.rpc_sync(peer, torch.add, (x, rank)), x + rank)
+    assert torch.equal(rpc.remote(peer, torch.mul, (x, 3)).to_here(), x * 3)
+    x.requires_grad_()
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync(peer, torch.mul, (x, 2)).sum()
+        dist_autograd.backward(context_id, [loss])
+        assert torch.equal(dist_autograd.get_gradients(context_id)[x], torch.full((2,), 2.0))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_every_rank_runs_in_the_mode_the_suite_was_started_in(rpc_world):
+    import torch.distributed.autograd
+
+    has_rpc = torch_has_rpc()
+    assert torch.distributed.autograd.is_available() is has_rpc
+    assert hasattr(torch._C, "_distributed_rpc") is has_rpc
+    assert rpc_world.comm.allgather(has_rpc) == [has_rpc] * rpc_world.size
+    rpc_and_autograd_work(rpc_world.rank, rpc_world.peer())
+
+
+#: A 2-rank job: the work of rpc_and_autograd_work; then each rank writes whether torch's RPC
+#: is available there.
+JOB_SCRIPT = f"""
+import json
+import torch
+from lightning_distgrad import rpc
+
+{inspect.getsource(rpc_and_autograd_work)}
+
+rpc.init_rpc()
+me = rpc.get_worker_info()
+rpc_and_autograd_work(me.id, f"worker{{1 - me.id}}")
+rpc.shutdown()
+with open(f"rank{{me.id}}.json", "w") as f:
+    json.dump(torch.distributed.rpc.is_available(), f)
+"""
+
+
+@pytest.mark.skipif(LAUNCHER is None, reason="no MPI launcher found")
+def test_a_job_that_the_suite_starts_runs_in_its_mode(tmp_path):
+    has_rpc = torch_has_rpc()
+    argv = [sys.executable, "-c", JOB_SCRIPT]
+    result = mpi_job(2, argv, scaled(180), cwd=tmp_path)
+    assert result.code == 0, result.describe()
+    seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen == [has_rpc, has_rpc], result.describe()

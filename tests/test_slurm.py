@@ -202,7 +202,8 @@ def _start(tmp_path: Path, ntasks: int, job_args: list[str], **extra_env: str) -
         *job_args,
     ]
     env = _job_env(EXAMPLE=REQUEUE_JOB, CPU_BIND="none", **extra_env)
-    env["PYTHONPATH"] = str(REPO)  # the package of this checkout
+    # The package of this checkout first; the suite's own entries (its test mode) stay.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=True)
     return int(res.stdout.strip().split(";")[0])
 
