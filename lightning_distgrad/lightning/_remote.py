@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -57,13 +58,65 @@ def grad_sq_norm(context_ids: Sequence[int], clips: Sequence[Clip] = ()) -> floa
     return math.fsum(sq_norm(g) for g in summed_gradients(context_ids, clips).values())
 
 
-def step_on_sum(
-    local_optim_rref: rpc.RRef, context_ids: Sequence[int], clips: Sequence[Clip]
-) -> None:
-    """One step of an owner's local optimizer on the gradients summed over ``context_ids``
-    (every trainer's context of the step; each holds its ``1/num_trainers`` share, so the sum
-    is the trainers' mean gradient), clipped as ``clips`` say."""
-    local_optim_rref.local_value().step_with(summed_gradients(context_ids, clips))
+def step_on_own_context(local_optim_rref: rpc.RRef, context_id: int, clips: Sequence[Clip]) -> None:
+    """One step of a trainer's own local optimizer (run-ahead mode) on its context's gradients
+    (its ``1/num_trainers`` share), clipped as ``clips`` say."""
+    local_optim_rref.local_value().step_with(summed_gradients([context_id], clips))
+
+
+class _SharedStep(NamedTuple):
+    """The trainers' parts of one step of a shared optimizer that have arrived so far."""
+
+    context_ids: dict[int, int]  # trainer -> its context of the step
+    replies: list[torch.futures.Future]
+    clips: list[Sequence[Clip]]  # trainer 0's, once it arrived
+
+
+_shared_steps_lock = threading.Lock()
+#: Per shared local optimizer on this owner: its steps still waiting for some trainer.
+_shared_steps: weakref.WeakKeyDictionary[Any, dict[int, _SharedStep]] = weakref.WeakKeyDictionary()
+
+
+@rpc.functions.async_execution
+def step_shared(
+    local_optim_rref: rpc.RRef,
+    step: int,
+    trainer: int,
+    num_trainers: int,
+    context_id: int,
+    clips: Sequence[Clip],
+) -> torch.futures.Future:
+    """Trainer ``trainer``'s part of step ``step`` of an optimizer that ``num_trainers`` share.
+
+    The last of the trainers' parts of a step runs it: one step on the gradients summed over
+    every trainer's context (each holds its ``1/num_trainers`` share, so the sum is their mean
+    gradient; added in trainer order), clipped as trainer 0 asked. Every part's reply waits for
+    the step, so the trainers' contexts stay open until it has read them, and every trainer gets
+    its error if it failed.
+    """
+    local = local_optim_rref.local_value()
+    reply: torch.futures.Future = torch.futures.Future()
+    with _shared_steps_lock:
+        pending = _shared_steps.setdefault(local, {})
+        part = pending.setdefault(step, _SharedStep({}, [], []))
+        part.context_ids[trainer] = context_id
+        part.replies.append(reply)
+        if trainer == 0:
+            part.clips.append(clips)
+        ready = len(part.context_ids) == num_trainers
+        if ready:
+            del pending[step]
+    if ready:
+        try:
+            ids = [part.context_ids[t] for t in sorted(part.context_ids)]
+            local.step_with(summed_gradients(ids, part.clips[0]))
+        except Exception as error:
+            for waiting in part.replies:
+                waiting.set_exception(error)
+        else:
+            for waiting in part.replies:
+                waiting.set_result(None)
+    return reply
 
 
 def sq_norm(grad: torch.Tensor) -> float:

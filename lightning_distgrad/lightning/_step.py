@@ -57,6 +57,7 @@ class DistributedStep:
         self._servers: tuple[int, ...] = ()
         self._seen: dict[Tensor, Tensor] = {}  # context gradients already added to .grad
         self._pushed: dict[str, Any] | None = None  # hyper-parameters the remote side has
+        self._steps = 0
         # Per step (reset with the context): the remote gradients' clipping, applied at the
         # step, and every trainer's context id (on trainer 0), gathered once.
         self._clips: list[_remote.Clip] = []
@@ -148,6 +149,7 @@ class DistributedStep:
             return DistributedOptimizer(type(optimizer), rrefs, **kwargs)
 
         self.optimizer = _remote.share(collectives, trainers, build) if self.shared else build()
+        self._steps = 0  # shared: numbers the steps alike on every trainer
         self._pushed = None  # the first step pushes what the constructor did not take
         self._driver, self._collectives, self._servers = optimizer, collectives, servers
 
@@ -165,22 +167,32 @@ class DistributedStep:
     def step_remote(self, optimizer: torch.optim.Optimizer) -> None:
         """Step the remote parameters, clipped as this step's clipping asked.
 
-        Shared (a collective over the trainers): trainer 0 steps the one remote optimizer on
-        the sum of every trainer's context (the mean gradient) while the others wait, so their
-        contexts stay open for the step and their next forward pass reads its result.
-        Otherwise this trainer's own optimizer steps on its own context.
+        Shared (every trainer calls it, as DDP's step): each owner steps the one remote
+        optimizer once every trainer's part of the step has arrived, on the sum of their
+        contexts (the mean gradient); each trainer's call returns after that step, so its
+        context stays open until the step has read it and its next forward pass reads the
+        result. Otherwise this trainer's own optimizer steps on its own context.
         """
+        clips, owners = list(self._clips), self.optimizer.remote_optimizers
         if not self.shared:
             self._push_hyperparameters(optimizer)
-            self._step_owners([self.context_id])
+            call_all(
+                (o.owner(), _remote.step_on_own_context, (o, self.context_id, clips))
+                for o in owners
+            )
             return
-        context_ids = self._gathered_context_ids()
-
-        def step() -> None:
+        trainer, num_trainers = self._collectives.rank, self._collectives.size
+        if trainer == 0:  # before its part of the step, so before the step
             self._push_hyperparameters(optimizer)
-            self._step_owners(context_ids)
-
-        self._on_trainer_zero("the remote parameters' update", step)
+        self._steps += 1
+        call_all(
+            (
+                o.owner(),
+                _remote.step_shared,
+                (o, self._steps, trainer, num_trainers, self.context_id, clips),
+            )
+            for o in owners
+        )
 
     def _push_hyperparameters(self, optimizer: torch.optim.Optimizer) -> None:
         """Send the user's optimizer's values to the remote optimizer if they changed."""
@@ -191,13 +203,6 @@ class DistributedStep:
                 for o in self.optimizer.remote_optimizers
             )
             self._pushed = copy.deepcopy(hparams)
-
-    def _step_owners(self, context_ids: list[int]) -> None:
-        clips = list(self._clips)
-        call_all(
-            (o.owner(), _remote.step_on_sum, (o, context_ids, clips))
-            for o in self.optimizer.remote_optimizers
-        )
 
     # --- gradient clipping over local and remote parameters ------------------------------------
 
