@@ -11,7 +11,7 @@ loop at all. Here the handler only sets a flag, on any rank:
    the same step; a serving rank that got the signal passes it on to the trainers first;
 2. after the step where the answer is yes, at the end of its batch (where ``ModelCheckpoint``
    saves too), the trainers write one Lightning "hpc" checkpoint, ``hpc_ckpt_N.ckpt`` in
-   ``default_root_dir``: remote parameters and every trainer's remote optimizer state included;
+   ``default_root_dir``: remote parameters and the remote optimizer state included;
 3. ``Trainer.fit`` raises :class:`RequeueExit` on every rank, serving ranks too (a ``SystemExit``
    with status 0: the script ends, ``python -m mpi4py`` does not abort), the RPC agent shuts
    down as at any exit, every rank finalises MPI, and trainer 0 then runs ``scontrol requeue``
