@@ -34,8 +34,10 @@ suppress_warnings = ["myst.header"]
 
 
 def _readme_links_to_pages(app, relative_path, parent_docname, content):
-    """The README links to slurm/README.md, which the docs serve as the page ``slurm``."""
+    """The README links to slurm/README.md and CHANGELOG.md, which the docs serve as the pages
+    ``slurm`` and ``changelog``."""
     content[0] = content[0].replace("](slurm/README.md)", "](slurm.md)")
+    content[0] = content[0].replace("](CHANGELOG.md)", "](changelog.md)")
 
 
 def setup(app):
