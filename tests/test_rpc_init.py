@@ -229,6 +229,36 @@ def test_a_rank_with_another_torch_fails_init_everywhere(rpc_stopped, monkeypatc
     rpc.shutdown()
 
 
+def test_init_with_default_names_sends_the_same_few_bytes_at_any_size(rpc_stopped, monkeypatch):
+    # The usual init (names worker{rank}, no device maps, one torch): one allreduce of three
+    # int64 numbers, nothing gathered; a chosen name on one rank gathers every rank's.
+    from lightning_distgrad.rpc import _lifecycle
+
+    agreed, gathered = [], []
+    agree, exchange = _lifecycle.agree, _lifecycle.exchange
+
+    def counting_agree(comm, values, timeout):
+        agreed.append(8 * len(values))  # bytes this rank sends and receives
+        return agree(comm, values, timeout)
+
+    def counting_exchange(comm, value, timeout, met=False):
+        gathered.append(value)
+        return exchange(comm, value, timeout, met)
+
+    monkeypatch.setattr(_lifecycle, "agree", counting_agree)
+    monkeypatch.setattr(_lifecycle, "exchange", counting_exchange)
+    rpc.init_rpc()
+    assert (agreed, gathered) == ([24], [])
+    assert_works(rpc_stopped.names)
+    rpc.shutdown()
+    names = [f"worker{r}" for r in range(rpc_stopped.size)]
+    names[-1] = "last"
+    rpc.init_rpc(name=names[rpc_stopped.rank])
+    assert len(agreed) == 2 and len(gathered) == 1 and gathered[0][0] == names[rpc_stopped.rank]
+    assert_works(names)
+    rpc.shutdown()
+
+
 def test_wrong_argument_types_raise_type_error(rpc_stopped):
     with pytest.raises(TypeError, match="backend must be a member of BackendType"):
         rpc.init_rpc(backend="mpi")

@@ -11,6 +11,7 @@ uncaught exception or SIGTERM end the whole job instead of leaving the other ran
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from typing import Any
 
@@ -27,6 +28,7 @@ from ._transport import (
     DTYPE_TABLE,
     FrameLimits,
     abort_mpi_job,
+    agree,
     end_job_on_sigterm,
     exchange,
     local_devices,
@@ -47,7 +49,9 @@ def start(
     if alone:  # RPC in this process only: no other rank takes part
         comm = MPI.COMM_SELF
     my_rank, size = comm.Get_rank(), comm.Get_size()
-    name = f"worker{my_rank}" if name is None else name
+    default_name = f"worker{my_rank}"
+    chosen_name = name not in (None, default_name)
+    name = default_name if name is None else name
     problems = []
     if (p := name_problem(name)) is not None:
         problems.append(p)
@@ -62,9 +66,10 @@ def start(
             f"world_size={world_size} was passed but the MPI job has {size} ranks "
             "(world_size must be the MPI size, or 1 for RPC within this process alone)"
         )
-    everyone = exchange(
+    everyone = _arguments_of_every_rank(
         comm,
         (name, problems, options.device_maps, (torch.__version__, DTYPE_TABLE)),
+        chosen_name,
         options.rpc_timeout,
     )
     first_torch = everyone[0][3]
@@ -104,11 +109,37 @@ def start(
     )
     for src, (_, _, maps, _) in enumerate(everyone):
         for dst_name, mapping in maps.items():
-            agent.device_maps[src][rank_of[dst_name]] = mapping
+            if my_rank in (src, rank_of[dst_name]):
+                agent.device_maps[src, rank_of[dst_name]] = mapping
     # Current first, then receiving: requests from faster peers may arrive at once.
     dispatch.set_agent(agent)
     agent.start()
     _install_exit_hooks(job_size)
+
+
+def _arguments_of_every_rank(
+    comm: MPI.Comm, mine: tuple, chosen_name: bool, timeout: float
+) -> list[tuple]:
+    """Every rank's ``(name, problems, device maps, torch build)``, by rank.
+
+    In the usual case (every rank named ``worker{rank}``, no problem, no device map, the same
+    dtype table) one allreduce of three numbers says so, and every rank fills the list in
+    itself: the bytes a rank sends and receives do not grow with the job. Otherwise every
+    rank's arguments are gathered, for the checks and their messages.
+    """
+    _, problems, maps, build = mine
+    fingerprint = _dtype_fingerprint(build[1])
+    unusual = int(chosen_name or bool(problems) or bool(maps))
+    top = agree(comm, [unusual, fingerprint, -fingerprint], timeout)  # elementwise maxima
+    if top[0] == 0 and top[1] == -top[2]:  # no rank unusual; max == min: one dtype table
+        return [(f"worker{r}", [], {}, build) for r in range(comm.Get_size())]
+    return exchange(comm, mine, timeout, met=True)
+
+
+def _dtype_fingerprint(dtypes: Any) -> int:
+    """A 62-bit hash of a dtype table, alike in every process that has the same table."""
+    digest = hashlib.blake2b(repr(dtypes).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 def _torch_problems(torch_build: tuple, first: tuple) -> list[str]:

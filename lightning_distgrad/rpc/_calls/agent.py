@@ -83,8 +83,9 @@ class Agent:
         self.info = infos[rank]
         self.by_name = {w.name: w for w in infos}
         self.timeout = timeout
-        # device_maps[src][dst]: src's map for tensors it sends to dst (set by init_rpc).
-        self.device_maps: list[list[dict]] = [[{} for _ in infos] for _ in infos]
+        # device_maps[src, dst]: src's map for tensors it sends to dst, for the pairs with
+        # this worker on one side that have one (set by init_rpc): no n x n table.
+        self.device_maps: dict[tuple[int, int], dict] = {}
         self._on_arrival = on_arrival
         self._ids = itertools.count()
         self._pending: dict[int, Pending] = {}
@@ -238,7 +239,7 @@ class Agent:
             return None
         me = self.info.id
         device_map = (
-            devices.invert(self.device_maps[dst_id][me]) if reply else self.device_maps[me][dst_id]
+            devices.invert(self._device_map(dst_id, me)) if reply else self._device_map(me, dst_id)
         )
         return devices.target_devices(tensors, device_map, self.info.name, self.infos[dst_id].name)
 
@@ -246,8 +247,11 @@ class Agent:
         """Each gradient's device on ``dst_id``, which sent the tensors they belong to (see
         ``devices.gradient_devices``)."""
         me = self.info.id
-        back = devices.invert(self.device_maps[dst_id][me])
-        return devices.gradient_devices(tensors, back, self.device_maps[me][dst_id])
+        back = devices.invert(self._device_map(dst_id, me))
+        return devices.gradient_devices(tensors, back, self._device_map(me, dst_id))
+
+    def _device_map(self, src: int, dst: int) -> dict:
+        return self.device_maps.get((src, dst), {})
 
     def _expire_call(self, call_id: int) -> None:
         pending = self._pending.pop(call_id, None)

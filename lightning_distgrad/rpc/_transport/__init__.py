@@ -19,7 +19,7 @@ from .engine import Transport
 from .fail_stop import PeerWatch, abort_mpi_job, end_job_on_sigterm, node_peers
 from .frames import CALL_KINDS, Frame, FrameLimits, Kind, MalformedFrame, local_devices
 from .message_log import MessageLog, active_log, set_log
-from .rendezvous import exchange
+from .rendezvous import agree, exchange
 from .sparse import LAYOUTS as SPARSE_LAYOUTS
 from .sparse import tensor_nbytes
 from .tensor_bytes import DTYPE_TABLE
@@ -37,6 +37,7 @@ __all__ = [
     "Transport",
     "abort_mpi_job",
     "active_log",
+    "agree",
     "end_job_on_sigterm",
     "exchange",
     "local_devices",
