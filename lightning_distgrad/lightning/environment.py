@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -308,19 +309,26 @@ class _Layout:
     def build(
         cls, leaders: Sequence[int], rank: int, local_rank: int, local_world_size: int
     ) -> _Layout:
-        nodes = sorted(set(leaders))
+        per_node = Counter(leaders)  # one pass: no cost per pair of ranks or nodes
+        nodes = sorted(per_node)
         return cls(
             leaders=tuple(leaders),
             node_rank=nodes.index(leaders[rank]),
             local_rank=local_rank,
             local_world_size=local_world_size,
-            ranks_per_node=tuple(leaders.count(leader) for leader in nodes),
+            ranks_per_node=tuple(per_node[leader] for leader in nodes),
         )
 
     @staticmethod
-    def local_rank_of(leaders: Sequence[int], rank: int) -> int:
-        """Any rank's local rank: the node split is keyed by global rank, so count lower ranks."""
-        return sum(1 for r in range(rank) if leaders[r] == leaders[rank])
+    def local_ranks(leaders: Sequence[int]) -> list[int]:
+        """Every rank's local rank, in one pass: the node split is keyed by global rank, so a
+        rank's local rank counts the lower ranks of its node."""
+        seen: Counter[int] = Counter()
+        ranks = []
+        for leader in leaders:
+            ranks.append(seen[leader])
+            seen[leader] += 1
+        return ranks
 
 
 class _SlurmView(NamedTuple):
@@ -421,7 +429,7 @@ def _srun_mismatch(views: Sequence[_SlurmView], size: int, layout: _Layout) -> s
             f" Likely cause: {_node_split_cause(num_nodes > max(nnodes))} HINT:"
             f" {_NODE_SPLIT_FIX}"
         )
-    local_ranks = [_Layout.local_rank_of(layout.leaders, r) for r in range(size)]
+    local_ranks = _Layout.local_ranks(layout.leaders)
     wrong = [r for r, v in enumerate(views) if v.localid not in (None, local_ranks[r])]
     if wrong:
         said = ", ".join(
