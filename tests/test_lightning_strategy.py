@@ -658,3 +658,23 @@ def test_a_dense_part_the_user_wrapped_in_ddp_trains_as_without_it(rpc_world):
         rpc_world.barrier()
         if rank < trainers:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("trainers", [1, 2, 3, 7, 16, 1000])
+def test_a_shared_module_reaches_every_trainer_in_log_n_hops_and_sends(trainers):
+    from lightning_distgrad.lightning._remote import hand_out_plan
+
+    reached, sends, depth = [], {0: 0}, {0: 0}
+
+    def follow(holder: int, ranks: list[int]) -> None:
+        plan = hand_out_plan(ranks)
+        sends[holder] = len(plan)
+        for rank, below in plan:
+            reached.append(rank)
+            depth[rank] = depth[holder] + 1
+            follow(rank, below)
+
+    follow(0, list(range(1, trainers)))
+    assert sorted(reached) == list(range(1, trainers))  # each once
+    bound = math.ceil(math.log2(trainers)) if trainers > 1 else 0
+    assert max(sends.values()) <= bound and max(depth.values()) <= bound

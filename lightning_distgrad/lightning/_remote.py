@@ -220,19 +220,38 @@ def share(collectives: Any, trainers: Sequence[int], create: Callable[[], Any]) 
     key = None
     if collectives.rank == 0:
         key, module = next(_shared_keys), create()
-        call_all([(rank, stash_shared, (key, module)) for rank in trainers[1:]])
-    # Trainer 0's key, once every stash has arrived; a rank's own count could differ (it may
-    # have served in an earlier fit).
+        _hand_out(key, module, trainers[1:])
+    # Trainer 0's key, once every trainer holds the object; a rank's own count could differ
+    # (it may have served in an earlier fit).
     key = collectives.broadcast(key, 0)
     if collectives.rank != 0:
         module = take_shared(key)
     return module
 
 
-def stash_shared(key: int, module: Any) -> None:
-    """Keep ``module`` (a RemoteModule sent by the creating trainer) until :func:`take_shared`."""
+def hand_out_plan(ranks: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """Whom a holder of a shared object sends it to, each with the ranks it passes it on to:
+    halves, so that each rank sends it at most log2(n) times and it reaches every one of
+    ``ranks`` after at most log2(n) + 1 hops."""
+    plan = []
+    while ranks:
+        half = (len(ranks) + 1) // 2
+        plan.append((ranks[0], list(ranks[1:half])))
+        ranks = ranks[half:]
+    return plan
+
+
+def _hand_out(key: int, module: Any, ranks: Sequence[int]) -> None:
+    """Give ``module`` to every rank of ``ranks``; returns once all of them hold it."""
+    call_all((rank, stash_shared, (key, module, below)) for rank, below in hand_out_plan(ranks))
+
+
+def stash_shared(key: int, module: Any, below: Sequence[int] = ()) -> None:
+    """Keep ``module`` (a RemoteModule sent by another trainer) until :func:`take_shared`, and
+    pass it on to the ranks ``below``."""
     with _shared_lock:
         _shared[key] = module
+    _hand_out(key, module, below)
 
 
 def take_shared(key: int) -> Any:
