@@ -504,3 +504,19 @@ def test_the_timeline_callback_rejects_a_bad_window_and_another_strategy(tmp_pat
     model = BoringModel()
     with pytest.raises(TypeError, match="DistAutogradStrategy"):
         trainer.fit(model)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("root", [0, -1])
+def test_clock_offsets_reach_the_root_down_a_tree_within_their_bounds(rpc_world, root):
+    # One machine, one clock: every offset is 0, so each estimate lies within its bound.
+    from lightning_distgrad.profiler._timeline import clock_offsets
+
+    root = root % rpc_world.size
+    offsets = clock_offsets(rpc_world.comm, root)
+    if rpc_world.rank != root:
+        assert offsets is None
+        return
+    assert len(offsets) == rpc_world.size and offsets[root] == (0.0, 0.0)
+    for rank, (offset, bound) in enumerate(offsets):
+        assert abs(offset) <= bound + 1.0, (rank, offset, bound)

@@ -22,30 +22,38 @@ def clock_offsets(comm: MPI.Comm, root: int = 0) -> list[tuple[float, float]] | 
     """On ``root``, each rank's clock minus its own, and the error bound, in us
     (``time.time_ns``, the clock torch's traces use); None elsewhere. A collective.
 
-    The root asks each rank for its time; with ``t0`` and ``t1`` the ask and the answer
-    on the root, the rank read its clock at ``(t0 + t1) / 2`` give or take ``(t1 - t0) / 2``.
+    A rank learns its offset from its parent in a binomial tree rooted at ``root``: the parent
+    asks for its time, and with ``t0`` and ``t1`` the ask and the answer on the parent, the
+    rank read its clock at ``(t0 + t1) / 2`` give or take ``(t1 - t0) / 2``; the parent, which
+    knows its own offset from the root, sends the rank the sum. The tree's levels measure in
+    turn, each level's pairs at once: log2(n) rounds of ``PING_PONGS`` round trips, and no
+    rank measures more than log2(n) others. The root gathers the offsets; each bound adds the
+    bounds of the hops from the root.
     """
-    rank = comm.Get_rank()
-    offsets = []
-    for peer in range(comm.Get_size()):
-        if peer == root:
-            offsets.append((0.0, 0.0))
-            continue
-        best = None
-        for _ in range(PING_PONGS):
-            if rank == root:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    me = (rank - root) % size  # place in the tree: the root is 0
+    mine = (0.0, 0.0)
+    step = 1
+    while step < size:
+        if me < step and me + step < size:  # a parent at this level: measure the child
+            child = (me + step + root) % size
+            best = None
+            for _ in range(PING_PONGS):
                 t0 = time.time_ns()
-                comm.send(None, dest=peer)
-                theirs = comm.recv(source=peer)
+                comm.send(None, dest=child)
+                theirs = comm.recv(source=child)
                 t1 = time.time_ns()
                 if best is None or t1 - t0 < best[1]:
                     best = (theirs - (t0 + t1) / 2, t1 - t0)
-            elif rank == peer:
-                comm.recv(source=root)
-                comm.send(time.time_ns(), dest=root)
-        if rank == root:
-            offsets.append((best[0] / 1000, best[1] / 2000))
-    return offsets if rank == root else None
+            comm.send((mine[0] + best[0] / 1000, mine[1] + best[1] / 2000), dest=child)
+        elif step <= me < 2 * step:  # the child at this level: answer, then learn the offset
+            parent = (me - step + root) % size
+            for _ in range(PING_PONGS):
+                comm.recv(source=parent)
+                comm.send(time.time_ns(), dest=parent)
+            mine = comm.recv(source=parent)
+        step *= 2
+    return comm.gather(mine, root=root)
 
 
 def merge_traces(
