@@ -363,11 +363,20 @@ def send_past_the_agent(comm, seed: int, count: int) -> None:
 def test_graceful_shutdown_ends_after_frames_no_agent_sent(rpc_stopped, monkeypatch):
     """Frames that bypass every agent's count, before and during shutdown: calls still
     work, a call still running when shutdown starts is answered, and graceful shutdown
-    returns on every rank."""
+    returns on every rank, within a bound far below the default transfer timeout.
+
+    A readable frame that declares tensor bytes holds back its sender's later frames
+    until its deadline, which the receiver fixes when the frame arrives: every rank sets
+    the short transfer timeout before any such frame can reach it, even a rank that gets
+    here late (rank 0, as under load; at 4 ranks rank 2 sends it one)."""
     world = rpc_stopped
     rpc.init_rpc()
     agent = dispatch.require_agent()
+    if world.rank == 0:
+        time.sleep(2.0)
     monkeypatch.setattr(agent.transport._receiver, "transfer_timeout", 1.0)
+    world.barrier()
+    start = time.monotonic()
     send_past_the_agent(agent.transport.comms.ctrl, seed=world.rank, count=300)
     world.barrier()
     for distance in range(world.size):
@@ -386,6 +395,8 @@ def test_graceful_shutdown_ends_after_frames_no_agent_sent(rpc_stopped, monkeypa
     thread.join(scaled(60))  # a hung shutdown fails the test, which aborts the job
     assert returned.is_set(), "graceful shutdown did not return"
     assert running.done() and running.wait() == world.rank + 1
+    # Missing tensor bytes cost each sender's frames at most a second or so here.
+    assert time.monotonic() - start < scaled(30)
 
 
 def answers_normally_to(worker: str) -> bool:
