@@ -94,6 +94,8 @@ TORCH_PRIVATE_NAMES: dict[str, bool] = {
     "torch.autograd.profiler.profile._start_trace": False,
     "torch.autograd.profiler_legacy.profile._start_trace": False,
     "torch.autograd.profiler_legacy._parse_legacy_records": False,
+    # rpc._calls.server_profiler builds a server-side profile's tree with it, as torch's does.
+    "torch.autograd.profiler_util.EventList._build_tree": False,
     "torch.autograd._enable_profiler_legacy": False,
     "torch.autograd._disable_profiler_legacy": False,
     "torch.Tensor._backward_hooks": False,
