@@ -106,7 +106,7 @@ class Serving:
     Owned by the agent, which hands it requests on the thread that should run them.
     ``devices(tensors, dst, reply=True)`` gives a reply's tensor devices on ``dst``;
     ``send_one_way`` carries a profiled call's events back; ``count_processed`` counts
-    a request as handled, once its response is sent (see ``termination``); ``wait(future)``
+    a request as handled, once its response is sent (see ``graceful_shutdown``); ``wait(future)``
     waits for a future of the agent, at most the RPC timeout.
     """
 
@@ -176,7 +176,7 @@ class Serving:
         except BaseException:
             send()
             raise
-        if is_async_function(func) and isinstance(result, torch._C.Future):
+        if is_async_function(func) and isinstance(result, CFuture):
             return ctx_id, func, Recorder.after(result, send)
         send()
         return ctx_id, func, result
