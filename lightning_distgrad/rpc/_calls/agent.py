@@ -16,10 +16,10 @@ Frames are routed by their ``Kind`` (see ``_transport.frames``):
   answers. Bookkeeping ones are applied on arrival, in order; served ones run
   like requests, on the thread that waits for them where there is one.
 
-Every frame is counted when sent, when handed to the agent and when its handling
-ended (see ``termination``); a graceful shutdown ends after a round of FLUSH markers
-in which no rank sent or handled anything and every rank is idle, so no request or
-response is lost (see ``rpc._lifecycle``). Threads wait for the agent's futures by
+Every frame is counted when sent, when received, when handed to the agent and when its
+handling ended; a graceful shutdown ends once the job's totals show every frame sent
+handled and every rank idle, so no request or response is lost (see
+``graceful_shutdown``). Threads wait for the agent's futures by
 driving its progress themselves (see ``waiting``).
 """
 
@@ -48,13 +48,13 @@ from .._transport import (
 )
 from . import autograd_hooks, devices
 from .errors import rebuild_error, set_error, timeout_error
+from .graceful_shutdown import Termination
 from .one_way import HANDLERS
 from .payload import NotSendable, decode_payload, encode_payload
 from .pending import Deadlines, Pending
 from .remote_events import expect_remote_events, profiled_request_body
 from .serving import Serving
 from .spans import span_until
-from .termination import Termination
 from .waiting import UserFuture, Waiting
 from .worker_info import WorkerInfo
 
@@ -261,11 +261,6 @@ class Agent:
     # -- receiving (the polling thread) ---------------------------------------------
 
     def _on_frame(self, source: int, frame: Frame, tensors: list) -> None:
-        if frame.kind is Kind.FLUSH:
-            error = self.termination.on_flush(source, frame, tensors)
-            if error is not None:
-                self._on_unreadable(source, error)
-            return
         self.termination.arrived()
         if frame.forks:
             self._on_arrival(source, frame)
@@ -274,9 +269,6 @@ class Agent:
             self._on_response(source, frame, tensors)
         elif kind is Kind.REQUEST:
             self.serving.take_request(source, frame, tensors, self._submit)
-        elif kind is Kind.JOIN:
-            self.termination.on_join(source)
-            self.termination.processed()
         elif kind is Kind.QUICK_REQUEST:
             if frame.body is None:
                 self.serving.run_operator(source, frame, tensors)

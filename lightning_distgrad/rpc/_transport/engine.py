@@ -134,6 +134,7 @@ class Transport:
         self._napping_long = False
         self._handlers_running = 0
         self._ready: collections.deque = collections.deque()  # frames and deferred calls
+        self._delivering = 0  # items taken from _ready whose run has not returned
         self._deliverer: int | None = None  # ident of the thread handling _ready's items
         # Calls queued without the lock (call_soon); a deque's append is atomic.
         self._soon: collections.deque = collections.deque()
@@ -202,6 +203,15 @@ class Transport:
     def frames_sent(self) -> int:
         with self._lock:
             return self._sender.frames_sent
+
+    def frame_counts(self) -> tuple[list[int], int, bool]:
+        """(frames sent to each rank, frames received in their pair's sequence (see
+        ``receiving``), whether a received frame is not yet handed over or its handler
+        has not returned)."""
+        with self._lock:
+            receiving = bool(self._receiver.incoming or self._ready or self._delivering)
+            sent = [s[0] for s in self._sender.sent_to]
+            return sent, self._receiver.in_sequence, receiving
 
     def traffic(self) -> list[dict[str, int]]:
         """Per peer rank: frames and bytes sent to it and received from it so far, whether
@@ -276,22 +286,40 @@ class Transport:
         """Whether calls queued by :meth:`call_soon` have yet to run."""
         return bool(self._soon)
 
-    def allreduce_sum(self, values: list[int], timeout: float | None = None) -> list[int] | None:
+    def allreduce_sum(
+        self, values: list[int], timeout: float | None = None, waiting: Callable | None = None
+    ) -> list[int] | None:
         """Sum ``values`` over all ranks; None if that took longer than ``timeout`` s.
 
         Blocks the caller, never the poller. A timed-out collective stays posted
-        (MPI cannot cancel one): use ``coll`` for nothing else afterwards.
+        (MPI cannot cancel one): use ``coll`` for nothing else afterwards. ``waiting()``
+        runs between tests while it waits.
         """
         send = np.array(values, dtype=np.int64)
         recv = np.zeros_like(send)
         with self._lock:
             request = self.comms.coll.Iallreduce(send, recv, MPI.SUM)
+        return recv.tolist() if self._wait_collective(request, timeout, waiting) else None
 
+    def barrier(self, timeout: float | None = None, waiting: Callable | None = None) -> bool:
+        """Wait until every rank entered this barrier (an ``Ibarrier`` on ``coll``); False
+        if that took longer than ``timeout`` s (see :meth:`allreduce_sum`)."""
+        with self._lock:
+            request = self.comms.coll.Ibarrier()
+        return self._wait_collective(request, timeout, waiting)
+
+    def _wait_collective(
+        self, request: MPI.Request, timeout: float | None, waiting: Callable | None
+    ) -> bool:
         def finished() -> bool:
             with self._lock:
-                return request.Test()
+                if request.Test():
+                    return True
+            if waiting is not None:
+                waiting()
+            return False
 
-        return recv.tolist() if nap_until(finished, timeout) else None
+        return nap_until(finished, timeout)
 
     def stop(self, flush_timeout: float = 5.0) -> None:
         """Stop the progress thread once queued sends completed (or ``flush_timeout``
@@ -474,7 +502,12 @@ class Transport:
                         self._deliverer = None
                     break
                 item = self._ready.popleft()
-            self._run_item(item)
+                self._delivering += 1
+            try:
+                self._run_item(item)
+            finally:
+                with self._lock:
+                    self._delivering -= 1
         return progressed
 
     def _write(self, pushes: list[PushSend]) -> None:

@@ -32,11 +32,11 @@ class Kind(enum.IntEnum):
     CREDIT = 4  # distributed autograd: credit and errors returned to a pass's root
     CONTEXT_RELEASE = 5  # distributed autograd: a context ended on its creator
     RREF_FORK = 6  # RRef bookkeeping: a fork added or deleted at its owner
-    JOIN = 7  # graceful shutdown: the sender has called shutdown
+    JOIN = 7  # not sent (graceful shutdown joins in a barrier); kept: kinds keep their numbers
     PROFILED_REQUEST = 8  # a REQUEST whose caller profiles: its callee records the run
     REMOTE_EVENTS = 9  # what the callee recorded of a PROFILED_REQUEST, sent before its RESPONSE
     RREF_CONFIRM = 10  # RRef bookkeeping: the owner registered the receiver's fork
-    FLUSH = 11  # graceful shutdown: a round's marker, after every frame its sender sent before
+    FLUSH = 11  # not sent (graceful shutdown counts frames); kept: kinds keep their numbers
 
 
 #: Kinds that are answered by a RESPONSE (a malformed one is answered with an error).

@@ -75,6 +75,11 @@ class Receiver:
         self.tag_mod = tag_mod
         # Per source rank: frames and bytes received (complete, or abandoned).
         self.received_from = [[0, 0] for _ in range(ctrl.Get_size())]
+        # Frames that came with the tag their source's transport gives its next frame to
+        # this rank (tags count each pair's frames; see ``sending``), and those next tags:
+        # what graceful shutdown compares with the frames agents sent.
+        self.in_sequence = 0
+        self._next_tag = [0] * ctrl.Get_size()
         self.data = data
         self.limits = limits
         self.transfer_timeout = transfer_timeout
@@ -140,6 +145,9 @@ class Receiver:
             message.Recv([raw, MPI.BYTE] if raw else [self._scratch, 0, MPI.BYTE])
             received = self.received_from[source]
             received[0] += 1
+            if tag == self._next_tag[source]:
+                self._next_tag[source] = (tag + 1) % self.tag_mod
+                self.in_sequence += 1
             received[1] += len(raw)
             try:
                 self._receive(source, tag, raw, ready)
@@ -158,7 +166,10 @@ class Receiver:
         frame = decode_frame(raw, self.limits)
         log = active_log()
         if log is not None:
-            log.received(frame.kind.name, source, tag, len(raw) + sum(m[2] for m in frame.metas))
+            # As the sender counts: the frame, then the tensor bytes that follow it (inline
+            # tensors lie within the frame's bytes).
+            after = sum(m[2] for m in frame.metas if m[3] is None or m[3] is PUSHED)
+            log.received(frame.kind.name, source, tag, len(raw) + after)
         tensors = []
         pulled = []  # views MPI fills, in the order their sender posted them
         pushed = []
