@@ -183,6 +183,26 @@ def test_only_calls_made_under_a_profiler_ask_their_callee_to_record(rpc_world):
     assert profiled == {"PROFILED_REQUEST"}
 
 
+@pytest.mark.mpi(min_size=2)
+def test_the_message_log_counts_a_frames_bytes_alike_on_both_sides(rpc_world):
+    log = message_log.MessageLog()
+    message_log.set_log(log)
+    rpc_world.barrier()  # every rank logs before any sends
+    try:
+        for size in (3, 100_000):  # a tensor inline in its frame, one whose bytes follow it
+            rpc.rpc_sync(rpc_world.peer(), torch.add, (torch.ones(size), 1))
+        rpc_world.barrier()
+    finally:
+        message_log.set_log(None)
+    sends = {(rpc_world.rank, e[3], e[4]): e[5] for e in log.entries if e[0] == "send"}
+    receipts = {(e[3], rpc_world.rank, e[4]): e[5] for e in log.entries if e[0] == "recv"}
+    sent = {k: v for part in rpc_world.comm.allgather(sends) for k, v in part.items()}
+    received = {k: v for part in rpc_world.comm.allgather(receipts) for k, v in part.items()}
+    both = sent.keys() & received.keys()  # frames of other threads may miss one end
+    assert len(both) >= 4 * rpc_world.size
+    assert {k: sent[k] for k in both} == {k: received[k] for k in both}
+
+
 def test_remote_events_are_placed_inside_the_call_and_malformed_ones_dropped():
     class Sink:
         def __init__(self):
