@@ -59,6 +59,11 @@ class FakeComm:
         self.calls.append("bcast")
         return self._exchange(obj, root=root)
 
+    def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
+        self.calls.append("gather")
+        everyone = self._exchange(obj, root=None)
+        return everyone if self._rank == root else None
+
     def Split_type(self, split_type: int, key: int = 0, info: Any = None) -> FakeComm:
         assert split_type == MPI.COMM_TYPE_SHARED
         self.calls.append("Split_type")
@@ -367,6 +372,20 @@ def srun_env(
         }
         for r in range(len(hosts))
     ]
+
+
+def test_slurm_check_gathers_the_variables_on_rank_zero_alone():
+    # Only rank 0 receives every rank's variables; the others receive its verdict.
+    hosts = ["a", "a", "b", "b"]
+    environs = srun_env(hosts)
+
+    def probe(env: MPIClusterEnvironment, rank: int) -> list[str]:
+        env.check_slurm_consistency(environs[rank])
+        return env.world_comm().calls
+
+    for calls in values(run_ranks(hosts, probe)):
+        assert calls.count("gather") == 1 and calls.count("bcast") == 1
+        assert calls.count("allgather") == 1  # the layout's node leaders, 8 bytes a rank
 
 
 def test_slurm_check_passes_outside_slurm():

@@ -246,25 +246,20 @@ class MPIClusterEnvironment(ClusterEnvironment):
             RuntimeError: srun started 4 tasks but each sees an MPI world of size 1 ... HINT: ...
         """
         view = _SlurmView.read(os.environ if environ is None else environ)
-        views: list[_SlurmView] = self._comm.allgather(view) if self._size > 1 else [view]
-        if all(v.ntasks is None for v in views):
-            log.debug(f"{self.__class__.__name__}: no Slurm task variables; nothing to check.")
-            return
         if self._size == 1:
             if view.ntasks is not None and view.ntasks > 1:
                 raise RuntimeError(_singleton_world(view))
+            log.debug(f"{self.__class__.__name__}: a world of one; nothing to check.")
             return
-        procids = [v.procid for v in views]
-        if None in procids or len(set(procids)) < self._size:
-            log.debug(
-                f"{self.__class__.__name__}: several MPI ranks share SLURM_PROCID (mpiexec inside"
-                " an allocation), so Slurm's task variables do not describe them. Using MPI."
-            )
-            return
-        error = _srun_mismatch(views, self._size, self._get_layout())
-        if error is not None:
-            raise RuntimeError(error)
-        log.debug(f"{self.__class__.__name__}: Slurm and MPI agree on {self._size} ranks.")
+        layout = self._get_layout()  # a collective: every rank, before rank 0 decides alone
+        # Rank 0 reads every rank's variables and tells the others what it found: the bytes
+        # a rank receives do not grow with the job (rank 0's do, once).
+        views = self._comm.gather(view, root=0)
+        verdict = _slurm_verdict(views, self._size, layout) if self._rank == 0 else None
+        message, wrong = self._comm.bcast(verdict, root=0)
+        if wrong:
+            raise RuntimeError(message)
+        log.debug(f"{self.__class__.__name__}: {message}")
 
     # --- Layout ----------------------------------------------------------------------------------
 
@@ -395,6 +390,22 @@ def _singleton_world(view: _SlurmView) -> str:
         f" `mpiexec -n {view.ntasks} python train.py`. To run a single process on purpose, use"
         " `srun --ntasks=1`."
     )
+
+
+def _slurm_verdict(views: Sequence[_SlurmView], size: int, layout: _Layout) -> tuple[str, bool]:
+    """What every rank's Slurm variables (``views``) say of the launch: ``(error, True)`` if
+    they contradict MPI, else ``(what was found, False)``."""
+    if all(v.ntasks is None for v in views):
+        return "no Slurm task variables; nothing to check.", False
+    procids = [v.procid for v in views]
+    if None in procids or len(set(procids)) < size:
+        return (
+            "several MPI ranks share SLURM_PROCID (mpiexec inside an allocation), so Slurm's"
+            " task variables do not describe them. Using MPI.",
+            False,
+        )
+    error = _srun_mismatch(views, size, layout)
+    return (error, True) if error is not None else (f"Slurm and MPI agree on {size} ranks.", False)
 
 
 def _srun_mismatch(views: Sequence[_SlurmView], size: int, layout: _Layout) -> str | None:
