@@ -14,7 +14,7 @@ OURS, IPC, STAGED = "ours", "ours, CUDA IPC", "ours, staged through host memory"
 COLORS = {OURS: "tab:blue", IPC: "tab:blue", STAGED: "lightsteelblue", TP: "tab:orange"}
 COLORS[FLOOR] = "lightsteelblue"
 COLORS |= dict.fromkeys(["raw MPI", "raw MPI Send+Recv", "mpi4py request/reply loop"], "tab:gray")
-SCALE = {"us": 1e6, "ms": 1e3, "GB/s": 1.0, "req/s": 1.0}
+SCALE = {"us": 1e6, "ms": 1e3, "s": 1.0, "GB/s": 1.0, "req/s": 1.0, "frames": 1.0, "B": 1.0}
 
 
 @dataclass
@@ -208,6 +208,26 @@ def cuda_variants(question: str, docs: list[dict]):
     return finish(fig, axes, "tensor size", None)
 
 
+def per_rank_costs(question: str, docs: list[dict]):
+    """Many ranks: what a rank sends in shutdown and receives in init_rpc, with their bounds,
+    and its CPU seconds over the whole job, ours beside TensorPipe, against the rank count."""
+    doc = docs[-1]
+    fig, axes = figure(question, describe([doc])[0], 3)
+    panels = [
+        (r"frames a rank sends in shutdown, (\d+) ranks", "frames", "frames sent in shutdown"),
+        (r"bytes a rank receives in init_rpc, (\d+) ranks", "B", "bytes received in init_rpc"),
+        (r"CPU, (\d+) ranks", "s", "CPU seconds per rank"),
+    ]
+    for ax, (pattern, unit, ylabel) in zip(axes, panels, strict=True):
+        metrics = matching(doc, pattern)
+        names = dict.fromkeys(a for m in metrics.values() for a in anchors(doc, m))
+        series = {OURS: [value(doc, m) for m in metrics.values()]}
+        series |= {a: [value(doc, m, a) for m in metrics.values()] for a in names}
+        lines(ax, list(metrics), series, unit)
+        ax.set_ylabel(ylabel)
+    return finish(fig, axes, "ranks", None)
+
+
 # --- the charts ------------------------------------------------------------------------------
 
 CHARTS = [
@@ -270,6 +290,16 @@ CHARTS = [
             xlabel="ranks",
             ylabel="per call, µs",
         ),
+    ),
+    Chart(
+        "many_ranks",
+        "many_ranks",
+        "What do starting and ending RPC cost each rank as the job grows?",
+        "At 8 to 64 ranks on one machine (oversubscribed: the ranks share its cores), what a"
+        " rank sends in `shutdown()` (frames, beside the bound 4 log2(n) + 4) and receives in"
+        " `init_rpc` (bytes, beside 4 KiB), and its CPU seconds over a job of `init_rpc`, a"
+        " neighbour call, a two-rank backward pass and `shutdown()`: ours and TensorPipe.",
+        per_rank_costs,
     ),
     Chart(
         "param_server",

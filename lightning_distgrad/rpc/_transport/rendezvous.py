@@ -30,6 +30,9 @@ __all__ = ["agree", "exchange"]
 _pending_barriers: dict[int, MPI.Request] = {}
 # Communicators whose exchange timed out after the barrier.
 _out_of_step: set[int] = set()
+#: What this process's rendezvous handed to collectives and got back from them, in bytes, and
+#: how many collectives it posted (barriers included): the cost of init_rpc, for benchmarks.
+traffic = {"collectives": 0, "bytes_sent": 0, "bytes_received": 0}
 
 
 def _handle(comm: MPI.Comm) -> int:
@@ -67,6 +70,7 @@ def agree(comm: MPI.Comm, values: list[int], timeout: float) -> list[int]:
     mine = np.array(values, dtype=np.int64)
     top = np.empty_like(mine)
     _collective(comm, timeout, lambda: comm.Iallreduce(mine, top, op=MPI.MAX))
+    _count(mine.nbytes, top.nbytes)
     return top.tolist()
 
 
@@ -91,6 +95,7 @@ def exchange(comm: MPI.Comm, value: Any, timeout: float, met: bool = False) -> l
     _collective(comm, timeout, lambda: comm.Iallgather(mine, sizes))
     everyone = np.empty(int(sizes.sum()), dtype=np.uint8)
     _collective(comm, timeout, lambda: comm.Iallgatherv(data, (everyone, sizes)))
+    _count(mine.nbytes + data.nbytes, sizes.nbytes + everyone.nbytes)
     offsets = np.concatenate(([0], np.cumsum(sizes)))
     return [
         pickle.loads(everyone[offsets[r] : offsets[r + 1]].tobytes()) for r in range(len(sizes))
@@ -109,14 +114,21 @@ def _meet(comm: MPI.Comm, timeout: float) -> None:
     barrier = _pending_barriers.pop(handle, None)
     if barrier is None:
         barrier = comm.Ibarrier()
+        traffic["collectives"] += 1
     if not _wait(barrier, timeout):
         _pending_barriers[handle] = barrier  # the next init_rpc waits for it again
         raise _waited_too_long(comm, timeout, "for the other ranks to call init_rpc")
 
 
+def _count(sent: int, received: int) -> None:
+    traffic["bytes_sent"] += sent
+    traffic["bytes_received"] += received
+
+
 def _collective(comm: MPI.Comm, timeout: float, post: Any) -> None:
     """Post a collective (``post()``, after the ranks met) and wait for it; a timeout leaves
     the communicator's collectives out of step, which the next init_rpc on it reports."""
+    traffic["collectives"] += 1
     if not _wait(post(), timeout):
         _out_of_step.add(_handle(comm))
         raise _waited_too_long(comm, timeout, "for the other ranks' arguments")
