@@ -7,17 +7,20 @@ released then, as torch's agent does.
 
 **Draining** (:func:`_drain`), the four-counter method. In each round every worker waits
 until none of its calls waits for a response, then contributes to a non-blocking allreduce
-the frames its transport sent to each rank, the frames it received in sequence, and whether
-it is busy (a received frame not yet handled, a call pending, a queued callback). A round
-ends the job when everyone is idle, every rank received at least as many frames as were
-sent to it, and the totals equal the previous round's. Why that is safe: a worker takes
+of three integers the frames its transport sent, the frames it received in sequence, and
+whether it is busy (a received frame not yet handled, a call pending, a queued callback). A
+round ends the job when everyone is idle, the job received at least as many frames as it
+sent, and the totals equal the previous round's. Why that is safe: a worker takes
 its snapshot of round k+1 only after the allreduce of round k completed, so after every
 snapshot of round k. Counters only grow, so equal totals mean that no worker's counters
 changed between its two snapshots: at any instant between the last snapshot of round k and
-the first of round k+1 the counters were the totals. Then every frame sent had been
-received, and each worker, idle at its later snapshot without having sent anything since,
-had handled all it received without sending more: nothing is in flight and nothing runs
-that could send. A frame sent later would need a handler or call that did not exist.
+the first of round k+1 the counters were the totals. An agent receives in sequence only
+frames that were sent to it, so received never exceeds sent for any pair of ranks unless
+frames no agent sent are counted (below); received >= sent then means equal for every pair,
+and every frame sent had been received, and each worker, idle at its later snapshot
+without having sent anything since, had handled all it received without sending more:
+nothing is in flight and nothing runs that could send. A frame sent later would need a
+handler or call that did not exist.
 Liveness: once the work is done, two rounds end it.
 
 **Frames no agent sent.** ``received`` counts only frames whose tag is the next one their
@@ -28,12 +31,14 @@ communicator by other code on other tags are handled (or dropped) and counted no
 that carries exactly the tag its source's next agent frame will carry is counted in that
 frame's place (the pair's count is right again once a later agent frame came), or, after
 the pair's last agent frame, counted on top: a rank may receive more than was sent to it,
-which never keeps the job from ending. It could end the job early only by standing in for
-a frame to the same rank still in flight over two rounds; a request or response in flight
-keeps its caller busy (a pending call), so only a one-way frame could be lost that way.
+which never keeps the job from ending. Such a surplus could end the job early only by
+standing in, in the totals, for a frame still in flight over two whole rounds; a request or
+response in flight keeps its caller busy (a pending call), so only a one-way frame could be
+lost that way, and only where other code forges agent frames.
 
-**Cost.** The protocol sends no frame: an ``Ibarrier`` and two or more allreduces of 2n + 1
-integers, each ``ceil(log2 n)`` steps in MPICH's algorithms.
+**Cost.** The protocol sends no frame: an ``Ibarrier`` and two or more allreduces of three
+integers, each ``ceil(log2 n)`` steps in MPICH's algorithms: a rank's bytes and messages grow
+as log n.
 
 **Bounds.** With a ``timeout`` every stage shares that deadline; a worker missing the
 barrier by then is named (only then is every other worker asked, by a call with a short
@@ -250,9 +255,7 @@ def _drain(agent: Agent, deadline: float | None, timeout: float) -> None:
                 f"{agent.num_pending()} RPCs still pending"
             )
         sent, received, idle = termination.snapshot()
-        size = len(sent)
-        # Per rank d: frames sent to d by everyone, then frames d received; then busy.
-        counts = sent + [received if r == agent.info.id else 0 for r in range(size)]
+        counts = [sum(sent), received]
         # The round can be the last only if this worker's counters did not change since
         # its previous snapshot; once a worker has seen that outcome it may stop and its
         # process end before this one sees it.
@@ -260,7 +263,7 @@ def _drain(agent: Agent, deadline: float | None, timeout: float) -> None:
         totals = agent.transport.allreduce_sum([*counts, 0 if idle else 1], _limit(agent, deadline))
         if totals is None:
             _stopped_answering(agent, deadline, timeout)
-        balanced = all(totals[size + d] >= totals[d] for d in range(size))
+        balanced = totals[1] >= totals[0]
         if totals[-1] == 0 and balanced and totals[:-1] == previous:
             return
         termination.peers_may_end(False)
