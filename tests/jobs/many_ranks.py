@@ -12,6 +12,7 @@ rank when all is well; any failure raises, which ends the job.
 from __future__ import annotations
 
 import gc
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +25,8 @@ import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
 from lightning_distgrad._backoff import wait_all
 from lightning_distgrad.optim import DistributedOptimizer
+from lightning_distgrad.rpc._calls import dispatch
+from lightning_distgrad.rpc._transport import rendezvous
 
 #: Bound for asynchronous cleanup (context releases, RRef deletes) to settle; the first
 #: argument, if given, replaces it (the test passes it scaled for slow machines).
@@ -117,8 +120,13 @@ def leftovers() -> dict[str, int]:
 
 def main() -> None:
     comm = MPI.COMM_WORLD.Dup()
+    received = dict(rendezvous.traffic)
     rpc.init_rpc()
     rank, world = rpc.get_worker_info().id, comm.Get_size()
+    # The default names: init_rpc's collectives bring a rank the same few bytes at any size.
+    received = rendezvous.traffic["bytes_received"] - received["bytes_received"]
+    assert received <= 64, f"init_rpc brought rank {rank} {received} bytes"
+    agent = dispatch.require_agent()
     all_to_all(rank, world)
     wait_all(comm.Ibarrier())
     rrefs_handed_around(rank, world)
@@ -134,7 +142,10 @@ def main() -> None:
     assert settled and not any(any(v.values()) for v in left), (
         f"left after cleanup, by rank: {dict(enumerate(left))}"
     )
-    rpc.shutdown()
+    sent = agent.transport.frames_sent()
+    rpc.shutdown()  # counted: its frames grow as log n (the RRefs were released above)
+    sent = agent.transport.frames_sent() - sent
+    assert sent <= 4 * math.ceil(math.log2(world)) + 4, f"rank {rank} sent {sent} in shutdown"
     comm.Free()
     print(f"MANY_RANKS_OK {rank}", flush=True)
 
