@@ -182,7 +182,7 @@ def row(metric: str, ours, anchor, anchor_name: str, unit: str, target=None) -> 
     r = dict(metric=metric, unit=unit, ours=ours, anchor=anchor, anchor_name=anchor_name)
     r["ratio"] = ours / anchor if ours is not None and anchor else None
     r["target"] = None if target is None else f"{target[0]} {target[1]}"
-    r["ok"] = None if not target or not r["ratio"] else _OPS[target[0]](r["ratio"], target[1])
+    r["ok"] = None if not target or r["ratio"] is None else _OPS[target[0]](r["ratio"], target[1])
     return r
 
 

@@ -13,6 +13,8 @@ from _harness import FLOOR, TP, mpi_name
 OURS, IPC, STAGED = "ours", "ours, CUDA IPC", "ours, staged through host memory"
 COLORS = {OURS: "tab:blue", IPC: "tab:blue", STAGED: "lightsteelblue", TP: "tab:orange"}
 COLORS[FLOOR] = "lightsteelblue"
+BOUNDS = ("4 log2(n) + 4", "4 KiB")  # many_ranks' targets, drawn as limits
+COLORS |= dict.fromkeys(BOUNDS, "tab:red")
 COLORS |= dict.fromkeys(["raw MPI", "raw MPI Send+Recv", "mpi4py request/reply loop"], "tab:gray")
 SCALE = {"us": 1e6, "ms": 1e3, "s": 1.0, "GB/s": 1.0, "req/s": 1.0, "frames": 1.0, "B": 1.0}
 
@@ -213,10 +215,10 @@ def per_rank_costs(question: str, docs: list[dict]):
     and its CPU seconds over the whole job, ours beside TensorPipe, against the rank count."""
     doc = docs[-1]
     fig, axes = figure(question, describe([doc])[0], 3)
-    panels = [
+    panels = [  # the first panel's ours and TensorPipe make the figure's legend
+        (r"CPU, (\d+) ranks", "s", "CPU seconds per rank"),
         (r"frames a rank sends in shutdown, (\d+) ranks", "frames", "frames sent in shutdown"),
         (r"bytes a rank receives in init_rpc, (\d+) ranks", "B", "bytes received in init_rpc"),
-        (r"CPU, (\d+) ranks", "s", "CPU seconds per rank"),
     ]
     for ax, (pattern, unit, ylabel) in zip(axes, panels, strict=True):
         metrics = matching(doc, pattern)
@@ -224,6 +226,11 @@ def per_rank_costs(question: str, docs: list[dict]):
         series = {OURS: [value(doc, m) for m in metrics.values()]}
         series |= {a: [value(doc, m, a) for m in metrics.values()] for a in names}
         lines(ax, list(metrics), series, unit)
+        bounds = [line for line in ax.get_lines() if line.get_label() in BOUNDS]
+        for line in bounds:
+            line.set_linestyle("--")
+        if bounds:
+            ax.legend(handles=bounds, fontsize=7, frameon=False, loc="center right")
         ax.set_ylabel(ylabel)
     return finish(fig, axes, "ranks", None)
 
@@ -295,10 +302,11 @@ CHARTS = [
         "many_ranks",
         "many_ranks",
         "What do starting and ending RPC cost each rank as the job grows?",
-        "At 8 to 64 ranks on one machine (oversubscribed: the ranks share its cores), what a"
-        " rank sends in `shutdown()` (frames, beside the bound 4 log2(n) + 4) and receives in"
-        " `init_rpc` (bytes, beside 4 KiB), and its CPU seconds over a job of `init_rpc`, a"
-        " neighbour call, a two-rank backward pass and `shutdown()`: ours and TensorPipe.",
+        "At 8 to 64 ranks on one machine (oversubscribed: the ranks share its cores), a rank's"
+        " CPU seconds over a job of `init_rpc`, a neighbour call, a two-rank backward pass and"
+        " `shutdown()` (ours, and TensorPipe where it started), the frames it sends in"
+        " `shutdown()` beside the bound 4 log2(n) + 4, and the bytes it receives in `init_rpc`"
+        " beside 4 KiB.",
         per_rank_costs,
     ),
     Chart(
