@@ -383,3 +383,25 @@ def nested_udf_with_backward_error(t1, t2, dst):
 
 def udf_with_slow_backward(t1, t2):
     return SlowBackward.apply(t1 * t2, current_context_id())
+
+
+def sampled_batch(dataset, index: int, trainers: int, batch_size: int, epoch: int = 0):
+    """What all trainers see together at batch ``index`` of ``epoch`` (``batch_size`` each).
+
+    Lightning gives each trainer a shuffling ``DistributedSampler`` (seed ``PL_GLOBAL_SEED``,
+    ``set_epoch`` every epoch); the reference takes the same indices.
+    """
+    from torch.utils.data import DistributedSampler
+
+    rows = []
+    for t in range(trainers):
+        sampler = DistributedSampler(
+            dataset,
+            num_replicas=trainers,
+            rank=t,
+            shuffle=True,
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+        )
+        sampler.set_epoch(epoch)
+        rows += list(sampler)[index * batch_size : (index + 1) * batch_size]
+    return tuple(tensor[rows] for tensor in dataset.tensors)

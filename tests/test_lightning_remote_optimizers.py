@@ -18,18 +18,17 @@ per-trainer layout is refused with a hint.
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from _dist_utils import make_trainer
+from _dist_utils import make_trainer, sampled_batch
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_distgrad import DistAutogradStrategy
 from lightning_distgrad.lightning.strategy import REMOTE_OPTIMIZER_STATE, REMOTE_OPTIMIZER_STATES
@@ -302,7 +301,7 @@ def test_sparse_adam_on_a_sparse_table_steps_on_the_mean_gradient(rpc_world):
     reference = TableModel(sparse=True, remote=False)
     optimizer = reference.configure_optimizers()
     for step in range(3):
-        ids, target = _global_batch(data, step, trainers)
+        ids, target = sampled_batch(data, step, trainers, BATCH)
         optimizer.zero_grad()
         nn.functional.mse_loss(reference(ids), target).backward()  # the mean over all batches
         optimizer.step()
@@ -310,21 +309,6 @@ def test_sparse_adam_on_a_sparse_table_steps_on_the_mean_gradient(rpc_world):
             diff = (ours.states[step][key] - value).abs().max().item()
             assert diff <= TOL, f"step {step}, {key}: {diff:.3g}"
     assert all(s["table.weight"].shape == (VOCAB, DIM) for s in ours.states)
-
-
-def _global_batch(data: TensorDataset, index: int, trainers: int):
-    """What all trainers see together at batch ``index`` (Lightning's sampler, epoch 0)."""
-    rows = []
-    for t in range(trainers):
-        sampler = DistributedSampler(
-            data,
-            num_replicas=trainers,
-            rank=t,
-            shuffle=True,
-            seed=int(os.environ["PL_GLOBAL_SEED"]),
-        )
-        rows += list(sampler)[index * BATCH : (index + 1) * BATCH]
-    return tuple(tensor[rows] for tensor in data.tensors)
 
 
 # --- Run-ahead mode: one remote optimizer per trainer ------------------------------------------

@@ -21,13 +21,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from _dist_utils import make_trainer
+from _dist_utils import make_trainer, sampled_batch
 from _timing import scaled
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import lightning_distgrad
 import lightning_distgrad.autograd as dist_autograd
@@ -94,23 +94,7 @@ def local_embedding(**kwargs) -> emb_example.EmbeddingPSModel:
 
 
 def global_batch(dataset: TensorDataset, index: int, trainers: int, epoch: int = 0):
-    """What all trainers see together at batch ``index`` of ``epoch``.
-
-    Lightning gives each trainer a shuffling ``DistributedSampler`` (seed ``PL_GLOBAL_SEED``,
-    ``set_epoch`` every epoch); the reference takes the same indices.
-    """
-    rows = []
-    for t in range(trainers):
-        sampler = DistributedSampler(
-            dataset,
-            num_replicas=trainers,
-            rank=t,
-            shuffle=True,
-            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
-        )
-        sampler.set_epoch(epoch)
-        rows += list(sampler)[index * BATCH : (index + 1) * BATCH]
-    return tuple(tensor[rows] for tensor in dataset.tensors)
+    return sampled_batch(dataset, index, trainers, BATCH, epoch)
 
 
 def reference_state(
