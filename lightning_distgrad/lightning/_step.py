@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Generator, Iterable
 from typing import Any
 
 import torch
@@ -58,11 +58,9 @@ class DistributedStep:
         self._seen: dict[Tensor, Tensor] = {}  # context gradients already added to .grad
         self._pushed: dict[str, Any] | None = None  # hyper-parameters the remote side has
         self._steps = 0
-        # Per step (reset with the context): the remote gradients' clipping, applied at the
-        # step, and every trainer's context id (on trainer 0), gathered once.
+        # The remote gradients' clipping asked for this step (reset with the context), applied
+        # at the step.
         self._clips: list[_remote.Clip] = []
-        self._context_ids: list[int] | None = None
-        self._gathered = False
 
     # --- the context ---------------------------------------------------------------------------
 
@@ -83,7 +81,7 @@ class DistributedStep:
             context.__exit__(None, None, None)
 
     def _forget_step(self) -> None:
-        self._seen, self._clips, self._context_ids, self._gathered = {}, [], None, False
+        self._seen, self._clips = {}, []
 
     @contextlib.contextmanager
     def scope(self) -> Generator[None, None, None]:
@@ -243,43 +241,29 @@ class DistributedStep:
 
     def _remote_grad_sq_norm(self) -> float:
         """The squared norm of the summed remote gradients of every trainer's context (with
-        the clipping already asked for this step, when shared; a collective over the
-        trainers)."""
-        context_ids = self._gathered_context_ids()
+        the clipping already asked for this step, when shared). A collective over the
+        trainers, which leave it once trainer 0 has the norm; if asking the owners failed
+        there, every trainer raises."""
+        collectives = self._collectives
+        context_ids = collectives.gather_object(self.context_id, root=0)
         clips = list(self._clips) if self.shared else []
-        return self._on_trainer_zero(
-            "the remote gradients' norm",
-            lambda: math.fsum(
-                call_all(
-                    (server, _remote.grad_sq_norm, (context_ids, clips)) for server in self._servers
-                )
-            ),
-        )
-
-    # --- collectives over the trainers ---------------------------------------------------------
-
-    def _gathered_context_ids(self) -> list[int] | None:
-        """Every trainer's context of this step, in trainer order, on trainer 0 (None on the
-        others): a gather over the trainers, run once a step."""
-        if not self._gathered:
-            self._context_ids = self._collectives.gather_object(self.context_id, root=0)
-            self._gathered = True
-        return self._context_ids
-
-    def _on_trainer_zero(self, what: str, work: Callable[[], Any]) -> Any:
-        """``work()`` on trainer 0 and its result on every trainer (a collective over the
-        trainers, which leave it once trainer 0 is done); if it raised, every trainer raises
-        (``what``: what it does, for the others' error)."""
-        result, failure = None, None
-        if self._collectives.rank == 0:
+        total, failure = None, None
+        if collectives.rank == 0:
             try:
-                result = work()
+                total = math.fsum(
+                    call_all(
+                        (server, _remote.grad_sq_norm, (context_ids, clips))
+                        for server in self._servers
+                    )
+                )
             except Exception as error:
                 failure = error
         described = None if failure is None else f"{type(failure).__name__}: {failure}"
-        result, described = self._collectives.broadcast((result, described), 0)
+        total, described = collectives.broadcast((total, described), 0)
         if failure is not None:
             raise failure
         if described is not None:
-            raise RuntimeError(f"DistAutogradStrategy: {what} failed on trainer 0: {described}")
-        return result
+            raise RuntimeError(
+                f"DistAutogradStrategy: the remote gradients' norm failed on trainer 0: {described}"
+            )
+        return total
