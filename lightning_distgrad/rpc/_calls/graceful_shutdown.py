@@ -113,10 +113,10 @@ class Termination:
         with self._lock:
             self._processed += 1
 
-    def snapshot(self) -> tuple[list[int], int, bool]:
-        """(frames sent to each rank, frames received in sequence, idle): idle when no call of this
-        worker waits for its response and every frame received, even a malformed one,
-        has been handled (a handler ends after what it sent)."""
+    def snapshot(self) -> tuple[int, int, bool]:
+        """(frames sent, frames received in sequence, idle): idle when no call of this worker
+        waits for its response and every frame received, even a malformed one, has been
+        handled (a handler ends after what it sent)."""
         sent, received, receiving = self._transport.frame_counts()
         with self._lock:
             handling = self._arrived != self._processed
@@ -255,7 +255,7 @@ def _drain(agent: Agent, deadline: float | None, timeout: float) -> None:
                 f"{agent.num_pending()} RPCs still pending"
             )
         sent, received, idle = termination.snapshot()
-        counts = [sum(sent), received]
+        counts = [sent, received]
         # The round can be the last only if this worker's counters did not change since
         # its previous snapshot; once a worker has seen that outcome it may stop and its
         # process end before this one sees it.

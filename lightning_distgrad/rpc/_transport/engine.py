@@ -204,14 +204,12 @@ class Transport:
         with self._lock:
             return self._sender.frames_sent
 
-    def frame_counts(self) -> tuple[list[int], int, bool]:
-        """(frames sent to each rank, frames received in their pair's sequence (see
-        ``receiving``), whether a received frame is not yet handed over or its handler
-        has not returned)."""
+    def frame_counts(self) -> tuple[int, int, bool]:
+        """(frames sent, frames received in their pair's sequence (see ``receiving``),
+        whether a received frame is not yet handed over or its handler has not returned)."""
         with self._lock:
             receiving = bool(self._receiver.incoming or self._ready or self._delivering)
-            sent = [s[0] for s in self._sender.sent_to]
-            return sent, self._receiver.in_sequence, receiving
+            return self._sender.frames_sent, self._receiver.in_sequence, receiving
 
     def traffic(self) -> list[dict[str, int]]:
         """Per peer rank: frames and bytes sent to it and received from it so far, whether
