@@ -15,6 +15,7 @@ import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -64,12 +65,13 @@ def step_on_own_context(local_optim_rref: rpc.RRef, context_id: int, clips: Sequ
     local_optim_rref.local_value().step_with(summed_gradients([context_id], clips))
 
 
-class _SharedStep(NamedTuple):
+@dataclass
+class _SharedStep:
     """The trainers' parts of one step of a shared optimizer that have arrived so far."""
 
-    context_ids: dict[int, int]  # trainer -> its context of the step
-    replies: list[torch.futures.Future]
-    clips: list[Sequence[Clip]]  # trainer 0's, once it arrived
+    context_ids: dict[int, int] = field(default_factory=dict)  # trainer -> its context
+    replies: list[torch.futures.Future] = field(default_factory=list)
+    clips: Sequence[Clip] = ()  # trainer 0's, once it arrived
 
 
 _shared_steps_lock = threading.Lock()
@@ -98,18 +100,18 @@ def step_shared(
     reply: torch.futures.Future = torch.futures.Future()
     with _shared_steps_lock:
         pending = _shared_steps.setdefault(local, {})
-        part = pending.setdefault(step, _SharedStep({}, [], []))
+        part = pending.setdefault(step, _SharedStep())
         part.context_ids[trainer] = context_id
         part.replies.append(reply)
         if trainer == 0:
-            part.clips.append(clips)
+            part.clips = clips
         ready = len(part.context_ids) == num_trainers
         if ready:
             del pending[step]
     if ready:
         try:
             ids = [part.context_ids[t] for t in sorted(part.context_ids)]
-            local.step_with(summed_gradients(ids, part.clips[0]))
+            local.step_with(summed_gradients(ids, part.clips))
         except Exception as error:
             for waiting in part.replies:
                 waiting.set_exception(error)
