@@ -4,7 +4,7 @@ A serial test (the plain ``pytest`` pass): it starts ``jobs/many_ranks.py`` unde
 ``mpiexec -n 16``, far more ranks than cores, and checks that every rank finished
 (the script asserts its own results and raises on any mismatch, among them that init_rpc
 brought each rank no more bytes than at 2 ranks and that shutdown sent at most
-4 log2(16) + 4 frames).
+4 log2(16) + 4 frames), then the frozen-peer jobs of ``_frozen_peer`` at 16 ranks.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import sys
 
+import _frozen_peer as frozen_peer
 import pytest
 from _job_runner import LAUNCHER, TESTS, mpi_job
 from _timing import scaled
@@ -35,3 +36,13 @@ def test_rpc_rrefs_autograd_and_optimizer_on_16_ranks(tmp_path):
     done = sorted(int(r) for r in re.findall(r"MANY_RANKS_OK (\d+)", result.output))
     assert done == list(range(RANKS)), result.describe()
     assert "Traceback" not in result.output, result.describe()
+
+
+@pytest.mark.skipif(LAUNCHER is None, reason="no MPI launcher found")
+@pytest.mark.parametrize("mode", ["timed", "default"])
+def test_a_frozen_peer_among_16_ranks(tmp_path, mode):
+    """A stopped rank bounds a timed shutdown and ends a default one, named, at 16 ranks."""
+    result = mpi_job(RANKS, frozen_peer.argv(mode), TIMEOUT_S, tmp_path)
+    assert not result.hung, result.describe()
+    check = frozen_peer.check_timed if mode == "timed" else frozen_peer.check_default
+    check(result, RANKS)

@@ -13,22 +13,17 @@ from __future__ import annotations
 import sys
 import textwrap
 
+import _frozen_peer as frozen_peer
 import mpi_launch
 import pytest
+from _job_runner import start_mpi_job
 from _timing import scaled
 
 #: A hung job is killed after this long; a job that works ends far sooner.
 JOB_TIMEOUT_S = scaled(180)
-#: The timeouts the frozen-peer jobs set (and see fire): of a call, of a timed shutdown, and
-#: the RPC timeout after which an unanswered liveness ping ends a default shutdown (that
-#: one scaled: the healthy ranks must answer their pings within it).
-CALL_TIMEOUT_S = 1
-SHUTDOWN_TIMEOUT_S = 2
-PING_TIMEOUT_S = round(scaled(2), 1)
-#: A timed shutdown raises at most this long after its timeout: far less than the RPC
-#: timeout (60 s) that a shutdown ignoring its own timeout would wait for.
-SHUTDOWN_RAISE_BOUND_S = scaled(10)
 LAUNCHER = mpi_launch.find_launcher()
+#: Job sizes of the frozen-peer tests here (``test_many_ranks`` runs them at 16).
+FROZEN_PEER_SIZES = (2, 4)
 
 needs_mpiexec = pytest.mark.skipif(LAUNCHER is None, reason="no MPI launcher found")
 
@@ -94,59 +89,6 @@ SINGLE_PROCESS_LIFECYCLE = """
 """
 
 
-FROZEN_PEER_TIMEOUT = f"""
-    import os, signal, time
-    import torch
-    from mpi4py import MPI
-    import lightning_distgrad.rpc as rpc
-    from lightning_distgrad.rpc._transport import abort_mpi_job
-
-    rpc.init_rpc()
-    me = rpc.get_worker_info().id
-    rpc.rpc_sync((me + 1) % 3, torch.add, (torch.ones(1), 1))  # every agent answers
-    MPI.COMM_WORLD.Barrier()  # every call was answered before rank 2 stops
-    if me == 2:
-        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: answers nothing from now on
-    time.sleep(0.5)
-    if me == 0:
-        try:
-            rpc.rpc_sync("worker2", torch.add, (torch.ones(1), 1), timeout={CALL_TIMEOUT_S})
-        except RuntimeError as e:
-            print(f"call failed: {{e}}", flush=True)
-    start = time.monotonic()
-    try:
-        rpc.shutdown(timeout={SHUTDOWN_TIMEOUT_S})
-    except RuntimeError as e:
-        print(f"rank {{me}} shutdown raised after {{time.monotonic() - start:.2f}} s: {{e}}",
-              flush=True)
-    if me == 1:
-        MPI.COMM_WORLD.send("printed", dest=0)
-    if me == 0:
-        MPI.COMM_WORLD.recv(source=1)  # rank 1's line is out
-        # The only way to end a job with a stopped rank; this one waits until the launcher
-        # has read rank 0's own line.
-        abort_mpi_job("", 3)
-    time.sleep(600)
-"""
-
-FROZEN_PEER_DEFAULT = f"""
-    import os, signal, time
-    import torch
-    from mpi4py import MPI
-    import lightning_distgrad.rpc as rpc
-
-    rpc.init_rpc(rpc_backend_options=rpc.MPIRpcBackendOptions(rpc_timeout={PING_TIMEOUT_S}))
-    me = rpc.get_worker_info().id
-    rpc.rpc_sync((me + 1) % 3, torch.add, (torch.ones(1), 1))
-    MPI.COMM_WORLD.Barrier()
-    if me == 2:
-        os.kill(os.getpid(), signal.SIGSTOP)
-    time.sleep(0.5)
-    rpc.shutdown()
-    print(f"rank {{me}} shutdown returned", flush=True)
-"""
-
-
 def _mpi(n: int, *python_args: str) -> list[str] | None:
     """The launcher's command for ``n`` ranks of ``python python_args``; None without one.
 
@@ -164,8 +106,12 @@ JOBS = {
     "raise-python": (RAISES_AFTER_INIT, _mpi(2)),
     "forgets-shutdown": (FORGETS_SHUTDOWN, _mpi(2, "-m", "mpi4py")),
     "single-process": (SINGLE_PROCESS_LIFECYCLE, [sys.executable]),
-    "frozen-peer-timeout": (FROZEN_PEER_TIMEOUT, _mpi(3, "-m", "mpi4py")),
-    "frozen-peer-default": (FROZEN_PEER_DEFAULT, _mpi(3, "-m", "mpi4py")),
+}
+#: job name -> (ranks, the argv of each rank): jobs whose script is a file of ``tests/jobs``.
+FILE_JOBS = {
+    f"frozen-{mode}-{n}": (n, frozen_peer.argv(mode))
+    for mode in ("timed", "default")
+    for n in FROZEN_PEER_SIZES
 }
 
 
@@ -191,7 +137,11 @@ def jobs(request, tmp_path_factory):
         for m in item.iter_markers("job")
     }
     started: dict[str, mpi_launch.Job] = {}
-    for name in sorted(wanted):
+    for name in sorted(wanted & FILE_JOBS.keys()):
+        if LAUNCHER is not None:
+            n, argv = FILE_JOBS[name]
+            started[name] = start_mpi_job(n, argv, JOB_TIMEOUT_S, tmp_path_factory.mktemp(name))
+    for name in sorted(wanted - FILE_JOBS.keys()):
         script_text, argv = JOBS[name]
         if argv is None:
             continue  # no launcher: its tests are skipped
@@ -249,32 +199,22 @@ def test_single_process_lifecycle_without_mpiexec(jobs):
 
 
 @needs_mpiexec
-@pytest.mark.job("frozen-peer-timeout")
-def test_a_frozen_peer_bounds_calls_and_a_timed_shutdown(jobs):
+@pytest.mark.parametrize(
+    "size", [pytest.param(n, marks=pytest.mark.job(f"frozen-timed-{n}")) for n in FROZEN_PEER_SIZES]
+)
+def test_a_frozen_peer_bounds_calls_and_a_timed_shutdown(jobs, size):
     """A stopped rank (SIGSTOP): a call to it times out naming it, and a timed shutdown
     raises on every healthy rank once its timeout passed, naming the worker that did not
     join."""
-    out = finished(jobs["frozen-peer-timeout"]).output
-    said = f"call failed: RPC ran for more than set timeout ({CALL_TIMEOUT_S * 1000} ms)"
-    assert said in out, out
-    assert "(call to worker2, rank 2)" in out, out
-    for rank in (0, 1):
-        said = f"rank {rank} shutdown raised"
-        line = next((ln for ln in out.splitlines() if ln.startswith(said)), None)
-        assert line is not None, out
-        seconds = float(line.split(" after ")[1].split(" s")[0])
-        assert 0.9 * SHUTDOWN_TIMEOUT_S <= seconds <= SHUTDOWN_TIMEOUT_S + SHUTDOWN_RAISE_BOUND_S
-        assert "worker2 (rank 2) did not call shutdown" in line, line
+    frozen_peer.check_timed(finished(jobs[f"frozen-timed-{size}"]), size)
 
 
 @needs_mpiexec
-@pytest.mark.job("frozen-peer-default")
-def test_a_frozen_peer_ends_a_default_shutdown_by_aborting_the_job(jobs):
+@pytest.mark.parametrize(
+    "size",
+    [pytest.param(n, marks=pytest.mark.job(f"frozen-default-{n}")) for n in FROZEN_PEER_SIZES],
+)
+def test_a_frozen_peer_ends_a_default_shutdown_by_aborting_the_job(jobs, size):
     """Without a timeout, shutdown waits for workers that answer; one that leaves a
     liveness ping unanswered for the RPC timeout ends the job, named."""
-    result = finished(jobs["frozen-peer-default"])
-    code, out = result.code, result.output
-    assert code != 0, out
-    assert f"worker2 (rank 2) did not answer for {PING_TIMEOUT_S:g} s" in out, out
-    assert "shutdown returned" not in out, out
-    assert result.seconds < scaled(60), out
+    frozen_peer.check_default(finished(jobs[f"frozen-default-{size}"]), size)

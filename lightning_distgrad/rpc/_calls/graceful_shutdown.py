@@ -42,7 +42,8 @@ as log n.
 
 **Bounds.** With a ``timeout`` every stage shares that deadline; a worker missing the
 barrier by then is named (only then is every other worker asked, by a call with a short
-timeout, whether it is in shutdown: a frozen or busy one does not say yes) and
+timeout, whether it is in shutdown: a frozen or busy one does not say yes; one that asked
+this worker the same has joined, even if its agent stopped before this one asks) and
 :class:`ShutdownTimeout` raised. Without one, a worker may take as long as it likes to
 join as long as it answers: while it waits in the barrier, each worker pings only its
 successor in rank order (after a second, then once a second); one that leaves a ping
@@ -99,6 +100,8 @@ class Termination:
         self._arrived = 0
         self._processed = 0
         self.in_shutdown = False
+        # Workers that asked this one whether it is in shutdown: they are (see _not_joined).
+        self.joined: set[int] = set()
         # Peers of this node that ended while they may have finished shutting down.
         self._peers_may_end = False
         self._ended: list[int] = []
@@ -151,11 +154,14 @@ class Termination:
         )
 
 
-def in_shutdown() -> bool:
+def in_shutdown(asker: int) -> bool:
     """Run on a worker asked, by a timed shutdown that missed its deadline, whether it
-    is in shutdown."""
+    is in shutdown; the ``asker`` is (it missed its deadline in shutdown)."""
     agent = dispatch.current_agent()
-    return agent is not None and agent.termination.in_shutdown
+    if agent is None:
+        return False
+    agent.termination.joined.add(asker)
+    return agent.termination.in_shutdown
 
 
 def graceful(agent: Agent, timeout: float, release_users) -> None:
@@ -219,22 +225,20 @@ def _join(agent: Agent, deadline: float | None) -> bool:
 
 
 def _not_joined(agent: Agent) -> str:
-    """The workers that do not say, within a short timeout, that they are in shutdown."""
-    others = [info for info in agent.infos if info.id != agent.info.id]
-    asked = [
-        (
-            info.id,
-            agent.call(info, in_shutdown, (), {}, _ASK_S, user_visible=False, force_autograd=False),
-        )
-        for info in others
-    ]
+    """The workers that do not say, within a short timeout, that they are in shutdown, and
+    did not ask this worker the same (those that asked may have stopped since)."""
+    me = agent.info.id
+    ask = lambda info: agent.call(
+        info, in_shutdown, (me,), {}, _ASK_S, user_visible=False, force_autograd=False
+    )
+    asked = [(info.id, ask(info)) for info in agent.infos if info.id != me]
     missing = []
     for rank, future in asked:
         try:
             joined = future.wait()
         except Exception:
             joined = False
-        if joined is not True:
+        if joined is not True and rank not in agent.termination.joined:
             missing.append(rank)
     return _names(agent, missing) if missing else "some workers"
 
