@@ -2,9 +2,11 @@
 
 A serial test (the plain ``pytest`` pass): it starts ``jobs/many_ranks.py`` under
 ``mpiexec -n 16``, far more ranks than cores, and checks that every rank finished
-(the script asserts its own results and raises on any mismatch, among them that init_rpc
-brought each rank no more bytes than at 2 ranks and that shutdown sent at most
-4 log2(16) + 4 frames), then the frozen-peer jobs of ``_frozen_peer`` at 16 ranks.
+(the script asserts its own results and raises on any mismatch, among them that the agent
+keeps no table sized n x n, that init_rpc brought each rank a few bytes whatever the size,
+that a rank calling the others once they are in shutdown is answered, and that shutdown
+sent at most 4 log2(16) + 4 frames), then the frozen-peer jobs of ``_frozen_peer`` at 16
+ranks.
 """
 
 from __future__ import annotations

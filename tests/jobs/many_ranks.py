@@ -5,7 +5,9 @@ every rank; RRefs travel creator -> owner -> third rank -> fourth rank; one back
 pass runs through a chain of nested calls that visits every rank; a
 DistributedOptimizer steps one parameter per rank. Each result is compared with
 plain local torch. Before shutdown every rank must hold no distributed autograd
-context, no owner RRef and no pending request. Prints ``MANY_RANKS_OK <rank>`` per
+context, no owner RRef and no pending request. First, the Python objects ``init_rpc`` keeps
+grow by at most a few hundred bytes a peer from 2 ranks to all (no n x n table); last, a late
+rank calls every other while they are already in shutdown. Prints ``MANY_RANKS_OK <rank>`` per
 rank when all is well; any failure raises, which ends the job.
 """
 
@@ -15,6 +17,7 @@ import gc
 import math
 import sys
 import time
+import tracemalloc
 from collections.abc import Callable
 
 import many_ranks_remote as remote
@@ -32,6 +35,9 @@ from lightning_distgrad.rpc._transport import rendezvous
 #: argument, if given, replaces it (the test passes it scaled for slow machines).
 SETTLE_S = float(sys.argv[1]) if len(sys.argv) > 1 else 60.0
 LR = 0.1
+#: What the agent may keep per peer: its names and infos, per-peer counters and tags, and its
+#: node's doorbell and fail-stop entries measured about 600 bytes.
+PER_PEER_BYTES = 1024
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = SETTLE_S) -> bool:
@@ -127,8 +133,36 @@ def leftovers() -> dict[str, int]:
     }
 
 
+def python_bytes_kept_by_init_rpc(comm: MPI.Comm) -> int:
+    """The bytes of Python objects that ``init_rpc`` over ``comm`` allocated and kept."""
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    rpc.init_rpc(rpc_backend_options=rpc.MPIRpcBackendOptions(comm=comm))
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    return sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+
+
+def agent_grows_linearly(comm: MPI.Comm) -> None:
+    """What the agent keeps grows by at most PER_PEER_BYTES a peer from 2 ranks to all of
+    them: no table sized n x n (a device-map grid of 72 n^2 bytes would add 18 KB at 16)."""
+    pair = comm.Split(comm.Get_rank() // 2)
+    wait_all(comm.Ibarrier())
+    at_two = python_bytes_kept_by_init_rpc(pair)
+    rpc.shutdown()
+    wait_all(comm.Ibarrier())
+    at_all = python_bytes_kept_by_init_rpc(comm)
+    rpc.shutdown()
+    pair.Free()
+    grown, peers = at_all - at_two, comm.Get_size() - 2
+    assert grown <= PER_PEER_BYTES * peers, (
+        f"init_rpc kept {at_two} bytes at 2 ranks, {at_all} at {comm.Get_size()}"
+    )
+
+
 def main() -> None:
     comm = MPI.COMM_WORLD.Dup()
+    agent_grows_linearly(comm)
     received = dict(rendezvous.traffic)
     rpc.init_rpc()
     rank, world = rpc.get_worker_info().id, comm.Get_size()
