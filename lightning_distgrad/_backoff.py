@@ -7,22 +7,42 @@ output being read) therefore checks it and naps between checks, with a :class:`B
 first nap is short, so a quick completion is seen at once, and each nap doubles up to a cap, so a
 long wait costs next to nothing. The RPC poller naps the same way but can be woken early (its
 ``wait`` is a doorbell's, see ``rpc._transport.doorbell``).
+
+Collectives are the exception (:func:`wait_collective`, :func:`wait_all`): each of their steps
+moves only while the ranks concerned are inside an MPI call, so naps on every rank compound
+(an 8-byte allreduce of 2 ranks on 2 cores took 230-500 us waited with naps, 7 us without). A
+rank waiting for one first yields its core (``sched_yield``: any runnable process of the node
+takes it, this one tests again as soon as none wants it) for up to :data:`YIELD_S`, then naps:
+4 ranks on 2 cores took 40 us a collective so, 4 ms napping and 5 ms spinning.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 
 from mpi4py import MPI
 
-__all__ = ["NAP_MAX_S", "NAP_MIN_S", "Backoff", "nap_until", "wait_all"]
+__all__ = [
+    "NAP_MAX_S",
+    "NAP_MIN_S",
+    "YIELD_S",
+    "Backoff",
+    "nap_until",
+    "wait_all",
+    "wait_collective",
+]
 
 #: The first nap, and the longest by default: a wait ends at most NAP_MAX_S after what it
 #: waits for happened.
 NAP_MIN_S = 1.5e-5
 NAP_MAX_S = 0.001
+#: How long a wait for a collective yields the core between tests before it naps: longer than
+#: a collective whose ranks have all arrived takes (150-220 us at 8 ranks on 2 cores), short
+#: enough that a long wait for a late rank costs little CPU.
+YIELD_S = 0.05
 
 
 class Backoff:
@@ -64,10 +84,14 @@ class Backoff:
 
 
 def nap_until(
-    done: Callable[[], bool], timeout: float | None = None, backoff: Backoff | None = None
+    done: Callable[[], bool],
+    timeout: float | None = None,
+    backoff: Backoff | None = None,
+    yield_s: float = 0.0,
 ) -> bool:
     """Call ``done`` until it returns True, napping between calls (``backoff``: a default
-    :class:`Backoff`); False if ``timeout`` seconds (None: no limit) passed first.
+    :class:`Backoff`) after the first ``yield_s`` seconds, in which it yields the core
+    instead; False if ``timeout`` seconds (None: no limit) passed first.
 
     Example::
 
@@ -76,7 +100,13 @@ def nap_until(
         >>> nap_until(request.Test, timeout=60.0)
         True
     """
-    deadline = None if timeout is None else time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
+    naps_from = start + yield_s if deadline is None else min(start + yield_s, deadline)
+    while time.monotonic() < naps_from:
+        if done():
+            return True
+        os.sched_yield()
     backoff = backoff or Backoff()
     while not done():
         if deadline is None:
@@ -89,8 +119,22 @@ def nap_until(
     return True
 
 
+def wait_collective(done: Callable[[], bool], timeout: float | None = None) -> bool:
+    """:func:`nap_until` for a collective (``done``: tests its request): yields the core
+    for :data:`YIELD_S`, then naps.
+
+    Example::
+
+        >>> from mpi4py import MPI
+        >>> wait_collective(MPI.COMM_WORLD.Ibarrier().Test, timeout=60.0)
+        True
+    """
+    return nap_until(done, timeout, yield_s=YIELD_S)
+
+
 def wait_all(*requests: MPI.Request) -> None:
-    """Wait for every one of ``requests`` (non-blocking MPI calls) with naps, never spinning.
+    """Wait for every one of ``requests`` (non-blocking MPI collectives) as
+    :func:`wait_collective` does, never spinning.
 
     Example::
 
@@ -98,4 +142,4 @@ def wait_all(*requests: MPI.Request) -> None:
         >>> wait_all(MPI.COMM_WORLD.Ibarrier())
     """
     pending = list(requests)
-    nap_until(lambda: MPI.Request.Testall(pending))
+    wait_collective(lambda: MPI.Request.Testall(pending))

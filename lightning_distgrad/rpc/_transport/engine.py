@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..._backoff import NAP_MAX_S, nap_until
+from ..._backoff import NAP_MAX_S, wait_collective
 from . import sparse
 from .communicators import Communicators
 from .direct_writes import PushSend
@@ -317,7 +317,7 @@ class Transport:
                 waiting()
             return False
 
-        return nap_until(finished, timeout)
+        return wait_collective(finished, timeout)
 
     def stop(self, flush_timeout: float = 5.0) -> None:
         """Stop the progress thread once queued sends completed (or ``flush_timeout``

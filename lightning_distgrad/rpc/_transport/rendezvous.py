@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..._backoff import nap_until
+from ..._backoff import wait_collective
 
 __all__ = ["agree", "exchange"]
 
@@ -40,7 +40,7 @@ def _handle(comm: MPI.Comm) -> int:
 
 
 def _wait(request: MPI.Request, timeout: float) -> bool:
-    return nap_until(request.Test, timeout if timeout > 0 else None)
+    return wait_collective(request.Test, timeout if timeout > 0 else None)
 
 
 def _waited_too_long(comm: MPI.Comm, timeout: float, what: str) -> RuntimeError:
