@@ -134,7 +134,7 @@ def wait_collective(done: Callable[[], bool], timeout: float | None = None) -> b
 
 def wait_all(*requests: MPI.Request) -> None:
     """Wait for every one of ``requests`` (non-blocking MPI collectives) as
-    :func:`wait_collective` does, never spinning.
+    :func:`wait_collective` does: yielding the core, then napping.
 
     Example::
 
