@@ -27,10 +27,8 @@ def argv(mode: str) -> list[str]:
     """The job's Python arguments: ``timed`` (a call and a shutdown with timeouts) or
     ``default`` (a shutdown without one)."""
     script = str(TESTS / "jobs" / "frozen_peer.py")
-    if mode == "timed":
-        return [sys.executable, "-m", "mpi4py", script, mode, str(CALL_TIMEOUT_S),
-                str(SHUTDOWN_TIMEOUT_S)]  # fmt: skip
-    return [sys.executable, "-m", "mpi4py", script, mode, str(PING_TIMEOUT_S)]
+    seconds = (CALL_TIMEOUT_S, SHUTDOWN_TIMEOUT_S) if mode == "timed" else (PING_TIMEOUT_S,)
+    return [sys.executable, "-m", "mpi4py", script, mode, *map(str, seconds)]
 
 
 def check_timed(result: JobResult, size: int) -> None:
