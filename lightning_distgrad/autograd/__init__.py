@@ -209,7 +209,14 @@ class _AutogradHooks(_internal.AutogradHooks):
         _context.init_container(worker_id)
 
     def outgoing(
-        self, dst_id: int, tensors: list[torch.Tensor], force: bool, ctx_id: int | None = None
+        self,
+        dst_id: int,
+        tensors: list[torch.Tensor],
+        force: bool,
+        ctx_id: int | None = None,
+        *,
+        operator: bool = False,
+        call_id: int | None = None,
     ) -> Any:
         cont = _context.current_container()
         if cont is None:
@@ -246,12 +253,19 @@ class _AutogradHooks(_internal.AutogradHooks):
             if devices is not None:
                 ctx.send_devices[msg_id] = devices
             ctx.known_workers.add(dst_id)
-        return (ctx_id, msg_id, tuple(grad_idx))
+            if responding:
+                request = ctx.op_requests.pop((dst_id, call_id), None)
+                if request is not None and node is not None:
+                    ctx.op_sends[msg_id] = request
+        # The last field marks a request of a torch operator carrying a gradient.
+        return (ctx_id, msg_id, tuple(grad_idx), operator and msg_id is not None)
 
-    def incoming(self, meta: Any, src_id: int, tensors: list[torch.Tensor]) -> list:
+    def incoming(
+        self, meta: Any, src_id: int, tensors: list[torch.Tensor], call_id: int | None = None
+    ) -> list:
         if meta is None:
             return tensors
-        ctx_id, msg_id, grad_idx = meta
+        ctx_id, msg_id, grad_idx, operator = meta
         ctx = container().get_or_create(ctx_id)
         if ctx is None or msg_id is None:
             return tensors
@@ -264,6 +278,8 @@ class _AutogradHooks(_internal.AutogradHooks):
             ctx.recvs[msg_id] = node
             ctx.recv_peers[msg_id] = src_id
             ctx.recv_meta[msg_id] = [(t.shape, t.dtype) for t in received]
+            if operator and call_id is not None:
+                ctx.op_requests[(src_id, call_id)] = msg_id
         return tensors
 
     def context_of(self, meta: Any) -> int | None:

@@ -97,6 +97,11 @@ class DistAutogradContext:
         self.recvs: dict[int, Any] = {}  # message id -> recv node
         self.recv_peers: dict[int, int] = {}  # message id -> worker the message came from
         self.recv_meta: dict[int, list[tuple]] = {}  # message id -> (shape, dtype) per output
+        # A torch operator's request and its response enclose its whole graph (an operator
+        # makes no calls): recv -> operator -> send. Its backward is one native call from the
+        # send's children to the recv node's inputs (see ``_pass``), no graph analysis.
+        self.op_requests: dict[tuple, int] = {}  # (caller, call id) -> request's message id
+        self.op_sends: dict[int, int] = {}  # response's message id -> request's message id
         self.known_workers: set[int] = set()
         self.grads: dict[torch.Tensor, torch.Tensor] = {}  # leaf -> gradient (identity keys)
         self.backward_pass: Any = None  # the engine's state for the current pass

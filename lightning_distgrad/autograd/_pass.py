@@ -86,13 +86,22 @@ class Pass:
             # part: a second forward in the same context starts afresh.
             sends = {mid: node for mid, node in ctx.sends.items() if mid not in ctx.consumed_sends}
             self.recv_ids = {node: mid for mid, node in ctx.recvs.items()}
+            # Operator responses: send -> operator -> recv, a graph of their own.
+            self.operators = {
+                mid: (ctx.recvs[request], request, ctx.recv_peers[request], ctx.recv_meta[request])
+                for mid, request in ctx.op_sends.items()
+                if mid in sends
+            }
         self.send_nodes = sends
         self.pending_sends = set(sends)
-        self.graph = Graph([e.node for e in root_edges] + list(sends.values()), set(self.recv_ids))
+        graph_sends = [node for mid, node in sends.items() if mid not in self.operators]
+        self.graph = Graph([e.node for e in root_edges] + graph_sends, set(self.recv_ids))
         for edge in root_edges:
             self.graph.remaining[edge.node] += 1
-        for node in sends.values():
+        for node in graph_sends:
             self.graph.remaining[node] += 1
+        # Operator sends delivered, not run yet: (message id, gradients).
+        self.operators_ready: list[tuple[int, list]] = []
         self.buffers: dict[Any, dict[int, torch.Tensor]] = {}
         self.finalized: set = set()
         # Interior nodes whose incoming gradients are all delivered and all absent,
@@ -172,17 +181,23 @@ class Pass:
             with self.ctx.lock:
                 self.ctx.consumed_sends.add(msg_id)
         devices = self.ctx.send_devices.get(msg_id, ())
+        if devices:  # no device map covered them: they came on the CPU
+            grads = [
+                g
+                if g is None or nr >= len(devices) or g.device == devices[nr]
+                else g.to(devices[nr])
+                for nr, g in enumerate(grads)
+            ]
+        if msg_id in self.operators:
+            self.operators_ready.append((msg_id, grads))
+            return
         self.graph.remaining[node] -= 1
         # The send node is an identity: its gradients go straight to the nodes
         # of the tensors it sent (a native run of it would only copy them).
-        for nr, ((child, child_nr), grad) in enumerate(
-            zip(node.next_functions, grads, strict=True)
-        ):
+        for (child, child_nr), grad in zip(node.next_functions, grads, strict=True):
             if child is None:
                 continue
             if grad is not None:
-                if nr < len(devices) and grad.device != devices[nr]:
-                    grad = grad.to(devices[nr])  # no device map covered it: it came on the CPU
                 if is_leaf_node(child):
                     self._hold_hooks(child)
                 self._add(child, child_nr, grad)
@@ -195,6 +210,8 @@ class Pass:
         the last region made. Those of earlier regions go to ``ship`` before the next region
         runs, so that their peers work on them meanwhile."""
         by_peer: dict[int, list] = {}
+        if self.operators_ready:
+            self._run_operators(by_peer)
         while True:
             self._pass_on_absence()
             self._finalize_boundary(by_peer)
@@ -301,6 +318,29 @@ class Pass:
                     remaining[child] -= 1  # ran in this call
                 else:
                     self._delivered(child)
+
+    def _run_operators(self, by_peer: dict[int, list]) -> None:
+        """The delivered operator sends in one native call, from each send's children to its
+        request's recv node; each recv's gradients go to ``by_peer`` (absent where none came)."""
+        ready, self.operators_ready = self.operators_ready, []
+        outputs, grad_outputs, inputs = [], [], []
+        for msg_id, grads in ready:
+            for (child, nr), grad in zip(
+                self.send_nodes[msg_id].next_functions, grads, strict=True
+            ):
+                if child is not None and grad is not None:
+                    outputs.append(GradientEdge(child, nr))
+                    grad_outputs.append(grad)
+            recv, _, _, meta = self.operators[msg_id]
+            inputs += [GradientEdge(recv, i) for i in range(len(meta))]
+        if outputs:
+            found = iter(native_grad(outputs, inputs, grad_outputs, self.retain_graph))
+        else:
+            found = iter([None] * len(inputs))
+        for msg_id, _ in ready:
+            recv, request, peer, meta = self.operators[msg_id]
+            item = (request, [next(found) for _ in meta])
+            run_recorded(RECV_FUNCTION_SPAN, by_peer.setdefault(peer, []).append, item)
 
     def _split_off_conflicts(self, run: list) -> tuple[list, list] | None:
         """(nodes to run, edges to capture) for one native call; None if no node can run.
@@ -431,10 +471,14 @@ class Pass:
     def waiting_recvs(self) -> list[int]:
         """Message ids of the recv functions in this pass's graph not finished yet."""
         with self.lock:
-            return [
+            waiting = [
                 mid
                 for node, mid in self.recv_ids.items()
                 if node in self.graph.children and node not in self.finalized
+            ]
+            # An operator's recv finishes with its response's send.
+            return waiting + [
+                self.operators[m][1] for m in self.pending_sends if m in self.operators
             ]
 
     def close(self) -> None:

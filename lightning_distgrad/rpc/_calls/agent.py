@@ -154,7 +154,7 @@ class Agent:
         # Everything that may reject the call runs before the call is registered and
         # counted: a call registered but never sent would hold up graceful shutdown.
         devices = self._devices(tensors, dst.id)
-        meta = autograd_hooks.get().outgoing(dst.id, tensors, force_autograd)
+        meta = autograd_hooks.get().outgoing(dst.id, tensors, force_autograd, operator=operator)
         pctx.commit()
         future = UserFuture(self.waiting) if user_visible else torch.futures.Future()
         call_id = next(self._ids)

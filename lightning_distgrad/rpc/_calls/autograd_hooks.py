@@ -24,17 +24,28 @@ class AutogradHooks:
         """Called by ``shutdown`` after the agent stopped."""
 
     def outgoing(
-        self, dst_id: int, tensors: list[torch.Tensor], force: bool, ctx_id: int | None = None
+        self,
+        dst_id: int,
+        tensors: list[torch.Tensor],
+        force: bool,
+        ctx_id: int | None = None,
+        *,
+        operator: bool = False,
+        call_id: int | None = None,
     ) -> Any:
         """Record a send function for a message to ``dst_id``; returns its metadata or None.
 
-        ``ctx_id`` is given for responses (the request's context) and None for
-        requests (the calling thread's current context).
+        ``ctx_id`` is given for responses (the request's context, and ``call_id`` the
+        request's) and None for requests (the calling thread's current context);
+        ``operator``: the request calls a torch operator.
         """
         return None
 
-    def incoming(self, meta: Any, src_id: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Attach a recv function to received ``tensors``; returns the tensors to use."""
+    def incoming(
+        self, meta: Any, src_id: int, tensors: list[torch.Tensor], call_id: int | None = None
+    ) -> list[torch.Tensor]:
+        """Attach a recv function to received ``tensors``; returns the tensors to use.
+        ``call_id``: the request's, for a request."""
         return tensors
 
     def context_of(self, meta: Any) -> int | None:

@@ -143,7 +143,7 @@ class Serving:
         """Run the function of a REQUEST; returns (context id, function, result)."""
         hooks = autograd_hooks.get()
         ctx_id = hooks.context_of(frame.body)
-        tensors = hooks.incoming(frame.body, source, tensors)
+        tensors = hooks.incoming(frame.body, source, tensors, frame.call_id)
         # Grad mode is thread-local: a request runs with it on, as on a fresh
         # server thread, whichever thread handed its frame over.
         return (
@@ -220,7 +220,7 @@ class Serving:
         try:
             hooks = autograd_hooks.get()
             ctx_id = hooks.context_of(frame.body)
-            tensors = hooks.incoming(frame.body, source, tensors)
+            tensors = hooks.incoming(frame.body, source, tensors, frame.call_id)
             context = UnpicklingContext()
             func, args, kwargs = hooks.call_in(
                 ctx_id, autograd_hooks.with_grad, _decode, frame.payload, tensors, context
@@ -343,7 +343,11 @@ class Serving:
             # A response is recorded in its request's context only, never in
             # whatever context the replying thread happens to be in.
             recorded = ok and ctx_id is not None
-            meta = autograd_hooks.get().outgoing(dst, tensors, False, ctx_id) if recorded else None
+            meta = (
+                autograd_hooks.get().outgoing(dst, tensors, False, ctx_id, call_id=call_id)
+                if recorded
+                else None
+            )
         except BaseException as e:
             if not ok:
                 raise
