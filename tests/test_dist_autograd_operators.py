@@ -76,9 +76,9 @@ def test_operator_gradients_match_local_and_the_callee_builds_no_graph(
         rpc_world.barrier()
     expected = local_grads(lambda ex, a, b: [loss_of(a, b, op(*args(a, b)))], t1, t2)
     assert_grads_match(grads, [t1, t2], expected)
-    # Each rank ran one pass as the root (its graph: the loss down to the recv) and one
-    # as a callee, whose graph is empty.
-    assert len(graph_nodes) == 2 and sorted(graph_nodes)[0] == 0, graph_nodes
+    # Each rank analysed one graph, as the root (the loss down to the recv): as a callee it
+    # ran the operator's backward alone.
+    assert len(graph_nodes) == 1 and graph_nodes[0] > 0, graph_nodes
 
 
 def test_operators_and_a_python_function_in_one_context(rpc_world, graph_nodes):

@@ -56,10 +56,12 @@ from ._messages import Gradients, decode_gradients
 from ._pass import Pass, native_grad
 from ._shipping import (
     RECEIVE_SPAN,
+    answer_operators,
     deliver_and_ship,
     end_pass,
     latest_reports,
     message_span,
+    operators_alone,
     return_credit,
     wait_for_credit,
     worker_pass,
@@ -247,7 +249,7 @@ def _take_gradients(source: int, body: Gradients, tensors: list[torch.Tensor]) -
     cont = container()
     is_root = pass_id[0] == cont.worker_id
     ctx = cont.find(context_id)
-    p = None
+    p = alone = None
     try:
         if ctx is None:
             raise RuntimeError(f"Could not find autograd context with id: {context_id}")
@@ -258,7 +260,9 @@ def _take_gradients(source: int, body: Gradients, tensors: list[torch.Tensor]) -
             if report is not None:
                 p.return_credit(NO_CREDIT, report, None)
         else:
-            p = worker_pass(ctx, pass_id, retain_graph)
+            alone = operators_alone(ctx, pass_id, retain_graph, items)
+            if alone is None:
+                p = worker_pass(ctx, pass_id, retain_graph)
         for msg_id, _ in items:
             if msg_id not in ctx.sends:
                 raise RuntimeError(
@@ -269,6 +273,9 @@ def _take_gradients(source: int, body: Gradients, tensors: list[torch.Tensor]) -
             end_pass(ctx, p)
         error = wrap_error(cont.worker_id, e).with_traceback(e.__traceback__)
         return_credit(context_id, pass_id, credit, None, error)
+        return
+    if alone is not None:
+        answer_operators(ctx, pass_id, retain_graph, credit, alone)
         return
     deliver_and_ship(p, credit, p.deliver_sends, items)
 

@@ -66,6 +66,37 @@ def native_grad(
     )
 
 
+def on_send_devices(grads: list, devices: list) -> list:
+    """``grads`` moved to the devices of the tensors a send carried (no device map covered
+    them: they came on the CPU)."""
+    if not devices:
+        return grads
+    return [
+        g if g is None or nr >= len(devices) or g.device == devices[nr] else g.to(devices[nr])
+        for nr, g in enumerate(grads)
+    ]
+
+
+def run_operators(ready: list[tuple[Any, list, tuple]], retain_graph: bool) -> list[tuple]:
+    """Operator sends in one native call, from each send's children to its request's recv
+    node. ``ready``: (send node, its gradients, (recv node, request id, peer, recv meta)).
+    Returns (peer, (request id, gradient or None per received tensor)) per send."""
+    outputs, grad_outputs, inputs = [], [], []
+    for send, grads, (recv, _, _, meta) in ready:
+        for (child, nr), grad in zip(send.next_functions, grads, strict=True):
+            if child is not None and grad is not None:
+                outputs.append(GradientEdge(child, nr))
+                grad_outputs.append(grad)
+        inputs += [GradientEdge(recv, i) for i in range(len(meta))]
+    if outputs:
+        found = iter(native_grad(outputs, inputs, grad_outputs, retain_graph))
+    else:
+        found = iter([None] * len(inputs))
+    return [
+        (peer, (request, [next(found) for _ in meta])) for _, _, (_, request, peer, meta) in ready
+    ]
+
+
 class Pass:
     """One backward pass of one context on this worker."""
 
@@ -180,14 +211,7 @@ class Pass:
         if not self.retain_graph and any(g is not None for g in grads):
             with self.ctx.lock:
                 self.ctx.consumed_sends.add(msg_id)
-        devices = self.ctx.send_devices.get(msg_id, ())
-        if devices:  # no device map covered them: they came on the CPU
-            grads = [
-                g
-                if g is None or nr >= len(devices) or g.device == devices[nr]
-                else g.to(devices[nr])
-                for nr, g in enumerate(grads)
-            ]
+        grads = on_send_devices(grads, self.ctx.send_devices.get(msg_id, ()))
         if msg_id in self.operators:
             self.operators_ready.append((msg_id, grads))
             return
@@ -320,26 +344,14 @@ class Pass:
                     self._delivered(child)
 
     def _run_operators(self, by_peer: dict[int, list]) -> None:
-        """The delivered operator sends in one native call, from each send's children to its
-        request's recv node; each recv's gradients go to ``by_peer`` (absent where none came)."""
+        """The delivered operator sends (see :func:`run_operators`); each recv's gradients go to
+        ``by_peer`` (absent where none came)."""
         ready, self.operators_ready = self.operators_ready, []
-        outputs, grad_outputs, inputs = [], [], []
-        for msg_id, grads in ready:
-            for (child, nr), grad in zip(
-                self.send_nodes[msg_id].next_functions, grads, strict=True
-            ):
-                if child is not None and grad is not None:
-                    outputs.append(GradientEdge(child, nr))
-                    grad_outputs.append(grad)
-            recv, _, _, meta = self.operators[msg_id]
-            inputs += [GradientEdge(recv, i) for i in range(len(meta))]
-        if outputs:
-            found = iter(native_grad(outputs, inputs, grad_outputs, self.retain_graph))
-        else:
-            found = iter([None] * len(inputs))
-        for msg_id, _ in ready:
-            recv, request, peer, meta = self.operators[msg_id]
-            item = (request, [next(found) for _ in meta])
+        ran = run_operators(
+            [(self.send_nodes[m], grads, self.operators[m]) for m, grads in ready],
+            self.retain_graph,
+        )
+        for peer, item in ran:
             run_recorded(RECV_FUNCTION_SPAN, by_peer.setdefault(peer, []).append, item)
 
     def _split_off_conflicts(self, run: list) -> tuple[list, list] | None:

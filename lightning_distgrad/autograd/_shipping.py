@@ -15,14 +15,14 @@ import itertools
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..rpc import _internal
 from ..rpc._internal import Kind, run_recorded, tensor_nbytes
 from ._context import DistAutogradContext, container, current_container
 from ._credit import NO_CREDIT, Credit, add_credit, split_credit
 from ._messages import CreditReturn, Gradients, encode_gradients
-from ._pass import Pass
+from ._pass import SEND_FUNCTION_SPAN, Pass, on_send_devices, run_operators
 
 #: Profiler spans: each stretch of local engine work, and each gradient message sent and
 #: handled (``...(worker0 -> worker1)``; a merged timeline also shows their bytes and
@@ -80,7 +80,7 @@ def message_span(name: str, src: int, dst: int, tensors: list) -> tuple[str, dic
 def send_gradients(
     agent,
     peer: int,
-    p: Pass,
+    p: Pass | _PassRef,
     items: list[tuple[int, list | None]],
     credit: Credit,
     report: tuple | None,
@@ -200,6 +200,75 @@ def worker_pass(ctx: DistAutogradContext, pass_id: tuple, retain_graph: bool) ->
         if p is None or p.pass_id != pass_id:
             p = ctx.backward_pass = Pass(ctx, pass_id, retain_graph, [])
         return p
+
+
+class _PassRef(NamedTuple):
+    """What a gradient message names of its pass, for a worker's part run without a Pass."""
+
+    ctx: DistAutogradContext
+    pass_id: tuple
+    retain_graph: bool
+
+
+def operators_alone(
+    ctx: DistAutogradContext, pass_id: tuple, retain_graph: bool, items: list
+) -> list | None:
+    """The sends ``items`` deliver, ready for :func:`run_operators`, when they are every send
+    of ``ctx`` still waiting, all of torch operators called by the root, and no pass holds
+    state here: this worker's whole part of the pass is then one native call, run by
+    :func:`answer_operators` with no :class:`Pass`, and the pass is marked over here (a later
+    probe of SMART mode finds nothing waiting). None otherwise."""
+    root = pass_id[0]
+    with _pass_creation_lock, ctx.lock:
+        if ctx.backward_pass is not None or ctx.ended_pass_id == pass_id:
+            return None
+        ids = {msg_id for msg_id, _ in items}
+        waiting = {msg_id for msg_id in ctx.sends if msg_id not in ctx.consumed_sends}
+        if len(ids) != len(items) or ids != waiting:
+            return None
+        ready = []
+        for msg_id, grads in items:
+            request = ctx.op_sends.get(msg_id)
+            if request is None or ctx.recv_peers[request] != root:
+                return None
+            send = ctx.sends[msg_id]
+            if grads is None:
+                grads = [None] * len(send.next_functions)
+            recv = (ctx.recvs[request], request, root, ctx.recv_meta[request])
+            ready.append((msg_id, send, grads, recv))
+        ctx.ended_pass_id = pass_id
+        if not retain_graph:
+            ctx.consumed_sends.update(
+                m for m, _, grads, _ in ready if any(g is not None for g in grads)
+            )
+    return ready
+
+
+def answer_operators(
+    ctx: DistAutogradContext, pass_id: tuple, retain_graph: bool, credit: Credit, ready: list
+) -> None:
+    """Run what :func:`operators_alone` found and send the gradients to the root, with all the
+    credit and this worker's report (nothing waits here); an error goes back instead."""
+    me = container().worker_id
+    try:
+        devices = ctx.send_devices
+        run = [
+            (
+                send,
+                run_recorded(SEND_FUNCTION_SPAN, on_send_devices, grads, devices.get(m, ())),
+                recv,
+            )
+            for m, send, grads, recv in ready
+        ]
+        ran = run_recorded(LOCAL_WORK_SPAN, run_operators, run, retain_graph)
+        items = [item for _, item in ran]
+        agent = _internal.require_agent()
+        send_gradients(
+            agent, pass_id[0], _PassRef(ctx, pass_id, retain_graph), items, credit, (me, 1, [])
+        )
+    except Exception as e:
+        error = wrap_error(me, e).with_traceback(e.__traceback__)
+        return_credit(ctx._context_id(), pass_id, credit, None, error)
 
 
 def deliver_and_ship(p: Pass, credit: Credit, deliver: Callable, *args: Any) -> None:
