@@ -122,3 +122,27 @@ def test_an_unused_operator_result_gets_no_gradient_and_fails_a_strict_pass(rpc_
         with pytest.raises(RuntimeError, match="got no gradient: autograd message"):
             dist_autograd.backward(context_id, [used.sum()], strict=True)
         rpc_world.barrier()
+
+
+def detached_double(t):
+    return t.detach() * 2
+
+
+def test_a_callee_that_answers_operators_alone_leaves_its_other_requests_to_smart_mode(
+    rpc_world, graph_nodes
+):
+    """The callee's only sends are an operator's: it answers without a pass, and the request
+    whose result needs no gradient is settled as absent when the root probes it."""
+    t1 = torch.rand(3, 3, requires_grad=True)
+    t2 = torch.rand(3, 3, requires_grad=True)
+    peer = rpc_world.peer()
+    with dist_autograd.context() as context_id:
+        product = rpc.rpc_sync(peer, torch.mul, (t1, t2))
+        doubled = rpc.rpc_sync(peer, detached_double, (t1,))
+        assert not doubled.requires_grad
+        dist_autograd.backward(context_id, [(product * doubled).sum()])
+        grads = dist_autograd.get_gradients(context_id)
+        rpc_world.barrier()
+    expected = local_grads(lambda ex, a, b: [(a * b * (a.detach() * 2)).sum()], t1, t2)
+    assert_grads_match(grads, [t1, t2], expected)
+    assert len(graph_nodes) == 1, graph_nodes  # the root's only
