@@ -342,8 +342,9 @@ def test_a_request_that_waits_hands_the_receiving_over_and_its_next_ones_run_on_
         after = rpc.rpc_sync(peer, where_requests_ran)
         assert names[0] == names[3] == "distgrad-progress", names
         assert names[1].startswith("distgrad-worker") and names[2].startswith("distgrad-worker")
-        # The first and the fourth each handed the role over once.
-        assert after["handoffs"] - before["handoffs"] == 2, (before, after)
+        # The first and the fourth each handed the role over once; on a crowded machine the
+        # standby may also take it from an inline run that waited for the GIL (WATCH_S).
+        assert after["handoffs"] - before["handoffs"] >= 2, (before, after)
         # The second and third, and the request that read ``after``.
         assert after["requests_run_on_pool"] - before["requests_run_on_pool"] == 3
 
@@ -372,7 +373,8 @@ def test_a_request_may_block_until_a_later_request_releases_it(rpc_world):
             rpc_world.peer(), wait_for_release, "first"
         )
         assert answer is True, "the releasing request was not served in time"
-        assert after["handoffs"] - before["handoffs"] == 1, (before, after)
+        # Once at least (a crowded machine may add takeovers, see above).
+        assert after["handoffs"] - before["handoffs"] >= 1, (before, after)
 
 
 def test_nested_rpc_chain_through_every_worker(rpc_world):
