@@ -153,15 +153,16 @@ class DistAutogradContext:
         """Add each ``(leaf, gradient)`` to the leaf's gradient in this context.
 
         A first gradient is kept or copied as :func:`first_gradient` says; one tensor
-        given to several leaves of ``pairs`` is copied for each.
+        given to several leaves of ``pairs``, or kept for another leaf already, is copied.
         """
         with self.lock, torch.no_grad():
             grads = self.grads
             uses = collections.Counter(id(g) for _, g in pairs) if len(pairs) > 1 else None
+            kept = {id(g) for g in grads.values()}
             for leaf, grad in pairs:
                 old = grads.get(leaf)
                 if old is None:
-                    shared = uses is not None and uses[id(grad)] > 1
+                    shared = (uses is not None and uses[id(grad)] > 1) or id(grad) in kept
                     grads[leaf] = first_gradient(leaf, grad, shared)
                 else:
                     grads[leaf] = sum_grads(old, grad)
