@@ -15,6 +15,7 @@ from _dist_utils import assert_grads_match, exchange, local_grads
 import lightning_distgrad.autograd as dist_autograd
 from lightning_distgrad import rpc
 from lightning_distgrad.autograd import _pass
+from lightning_distgrad.rpc._transport import message_log
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -146,3 +147,32 @@ def test_a_callee_that_answers_operators_alone_leaves_its_other_requests_to_smar
     expected = local_grads(lambda ex, a, b: [(a * b * (a.detach() * 2)).sum()], t1, t2)
     assert_grads_match(grads, [t1, t2], expected)
     assert len(graph_nodes) == 1, graph_nodes  # the root's only
+
+
+def test_a_tensor_that_is_two_gradients_travels_once(rpc_world):
+    """An addition gives its two inputs one gradient tensor: the callee's gradient message
+    carries it once (counted in the frame's bytes), and the root's gradients are local
+    autograd's, the two leaves' not aliased."""
+    n = 8192  # 32 KiB a tensor: inline in its frame, so the frame's bytes count it
+    t1, t2 = torch.rand(n, requires_grad=True), torch.rand(n, requires_grad=True)
+    log = message_log.MessageLog()
+    peer = rpc_world.peer()
+    message_log.set_log(log)
+    rpc_world.barrier()  # both ranks log before either sends
+    try:
+        with dist_autograd.context() as context_id:
+            added = rpc.rpc_sync(peer, torch.add, (t1, t2))
+            dist_autograd.backward(context_id, [(added * 3).sum()])
+            grads = dist_autograd.get_gradients(context_id)
+            rpc_world.barrier()
+    finally:
+        message_log.set_log(None)
+    expected = local_grads(lambda ex, a, b: [((a + b) * 3).sum()], t1, t2)
+    assert_grads_match(grads, [t1, t2], expected)
+    assert grads[t1].data_ptr() != grads[t2].data_ptr()
+    grads[t1].zero_()
+    assert grads[t2].sum() > 0
+    # This rank's gradient messages: as the root, the result's; as the callee, the two
+    # inputs' in one tensor of 32 KiB (two would be 64 KiB).
+    sizes = [e[5] for e in log.entries if e[0] == "send" and e[2] == "GRADIENTS"]
+    assert len(sizes) == 2 and all(4 * n <= size < 8 * n for size in sizes), sizes

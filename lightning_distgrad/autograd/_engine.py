@@ -244,8 +244,8 @@ def on_gradients(source: int, body: Gradients, tensors: list[torch.Tensor]) -> N
 
 
 def _take_gradients(source: int, body: Gradients, tensors: list[torch.Tensor]) -> None:
-    context_id, layout, retain_graph, pass_id, credit, report = body
-    items = decode_gradients(layout, tensors)
+    context_id, layout, retain_graph, pass_id, credit, report, order = body
+    items = decode_gradients(layout, tensors, order)
     cont = container()
     is_root = pass_id[0] == cont.worker_id
     ctx = cont.find(context_id)

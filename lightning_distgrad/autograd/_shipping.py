@@ -86,8 +86,8 @@ def send_gradients(
     report: tuple | None,
 ) -> None:
     """One GRADIENTS frame to ``peer`` for ``(message id, gradients)`` items of pass ``p``."""
-    layout, tensors = encode_gradients(items)
-    body = Gradients(p.ctx._context_id(), layout, p.retain_graph, p.pass_id, credit, report)
+    layout, tensors, order = encode_gradients(items)
+    body = Gradients(p.ctx._context_id(), layout, p.retain_graph, p.pass_id, credit, report, order)
     name = functools.partial(message_span, SEND_SPAN, agent.info.id, peer, tensors)
     devices = agent.gradient_devices(tensors, peer)
     run_recorded(name, agent.send_one_way, peer, Kind.GRADIENTS, body, tensors, devices)
