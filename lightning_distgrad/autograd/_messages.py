@@ -20,7 +20,7 @@ class Gradients(NamedTuple):
     pass_id: tuple
     credit: Any
     report: tuple | None
-    order: tuple | None = None
+    order: tuple | None
 
 
 class CreditReturn(NamedTuple):
@@ -76,9 +76,10 @@ def encode_gradients(items: list[tuple[int, list | None]]) -> tuple[list, list, 
     return layout, list({id(t): t for t in tensors}.values()), order
 
 
-def decode_gradients(layout: list, tensors: list, order: tuple | None = None) -> list:
-    """The ``(message id, gradients)`` items :func:`encode_gradients` made
-    ``(layout, tensors, order)`` of."""
+def decode_gradients(
+    layout: list, tensors: list, order: tuple | None = None
+) -> list[tuple[int, list | None]]:
+    """The items :func:`encode_gradients` made ``(layout, tensors, order)`` of."""
     if order is not None:
         tensors = [tensors[i] for i in order]
     items: list[tuple[int, list | None]] = []
