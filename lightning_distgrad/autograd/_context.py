@@ -158,11 +158,15 @@ class DistAutogradContext:
         with self.lock, torch.no_grad():
             grads = self.grads
             uses = collections.Counter(id(g) for _, g in pairs) if len(pairs) > 1 else None
-            kept = {id(g) for g in grads.values()}
+            kept = None  # ids of the gradients held, taken when the first one is needed
             for leaf, grad in pairs:
                 old = grads.get(leaf)
                 if old is None:
-                    shared = (uses is not None and uses[id(grad)] > 1) or id(grad) in kept
+                    shared = uses is not None and uses[id(grad)] > 1
+                    if not shared and grads:
+                        if kept is None:
+                            kept = {id(g) for g in grads.values()}
+                        shared = id(grad) in kept
                     grads[leaf] = first_gradient(leaf, grad, shared)
                 else:
                     grads[leaf] = sum_grads(old, grad)
