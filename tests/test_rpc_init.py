@@ -391,3 +391,21 @@ def test_local_shutdown(rpc_stopped):
     rpc.init_rpc()
     assert_works(rpc_stopped.names)
     rpc.shutdown()
+
+
+def test_a_rank_in_its_first_mpi4py_object_reduction_still_serves_calls(rpc_stopped):
+    # mpi4py duplicates a communicator, holding the GIL until every rank is there, in the
+    # first reduction of Python objects on it: rank 0 waits there while the others still
+    # need its answers to get there. init_rpc made that first reduction already.
+    comm = MPI.COMM_WORLD.Dup()  # no object reduction has run on it yet
+    options = MPIRpcBackendOptions(comm=comm, rpc_timeout=scaled(30))
+    rpc.init_rpc(rank=rpc_stopped.rank, world_size=rpc_stopped.size, rpc_backend_options=options)
+    try:
+        if rpc_stopped.rank != 0:
+            for i in range(20):
+                answer = rpc.rpc_sync("worker0", torch.add, (torch.ones(2), i))
+                assert answer.tolist() == [i + 1.0] * 2
+        assert comm.allreduce(rpc_stopped.rank) == sum(range(rpc_stopped.size))
+    finally:
+        rpc.shutdown()
+        comm.Free()

@@ -76,6 +76,8 @@ def start(
     _raise_init_problems(
         [(n, ps + _torch_problems(torch_build, first_torch)) for n, ps, _, torch_build in everyone]
     )
+    if not alone:
+        _prepare_object_reductions(comm)
     infos = [WorkerInfo(n, r) for r, (n, _, _, _) in enumerate(everyone)]
     rank_of = {info.name: info.id for info in infos}
     # Checked before the agent exists: raising later left a running agent behind.
@@ -115,6 +117,19 @@ def start(
     dispatch.set_agent(agent)
     agent.start()
     _install_exit_hooks(job_size)
+
+
+def _prepare_object_reductions(comm: MPI.Comm) -> None:
+    """Make mpi4py's first object reduction on the user's communicator here, while every
+    rank is in ``init_rpc``.
+
+    mpi4py duplicates a communicator in the first ``allreduce``/``reduce``/``scan`` of Python
+    objects made on it, a collective that holds the GIL until every rank reached it. A rank
+    blocked there would serve no RPC (this agent is Python), so ranks that wait for its
+    answers before they reach the reduction would never reach it. Later reductions wait
+    without the GIL.
+    """
+    comm.allreduce(0)
 
 
 def _arguments_of_every_rank(
