@@ -8,17 +8,21 @@ level: the callee imports them by name.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
+import os
 import threading
 import time
 
 import pytest
 import torch
+from _busy_core import busy_core, pinned, preempted_for
 from _dist_utils import wait_until
 from _timing import scaled
 
 from lightning_distgrad import rpc
 from lightning_distgrad.rpc import WorkerInfo
+from lightning_distgrad.rpc._calls.inlining import BUDGET_S
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -107,6 +111,29 @@ def where_requests_ran():
     return {k: info[k] for k in ("requests_run_inline", "requests_run_on_pool")} | {
         "handoffs": info["progress_handoffs"]
     }
+
+
+_BUSY_CORE = contextlib.ExitStack()
+
+
+@served_on_the_pool
+def share_progress_threads_core_with_a_busy_process():
+    """Pins this worker's progress threads to one core beside a process that computes all
+    along (before they run anything measured: a move to another core makes a thread wait)."""
+    core = _BUSY_CORE.enter_context(busy_core())
+    threads = [t.native_id for t in threading.enumerate() if t.name == "distgrad-progress"]
+    _BUSY_CORE.enter_context(pinned(threads, core))
+
+
+@served_on_the_pool
+def stop_busy_process():
+    _BUSY_CORE.close()
+
+
+def preempted_past_the_budget():
+    """Waits for a core, and for nothing else, past the inline budget; the thread's name."""
+    preempted_for(3 * BUDGET_S)
+    return threading.current_thread().name
 
 
 def compute_until_released(key):
@@ -323,6 +350,24 @@ def test_a_short_request_runs_where_it_is_delivered(rpc_world):
     delivers the request and, the function being short, runs it there (no hand-off)."""
     if rpc_world.rank == 0:
         assert rpc.rpc_sync(rpc_world.peer(), serving_thread_name) == "distgrad-progress"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+def test_a_request_preempted_past_the_budget_still_runs_where_it_is_delivered(rpc_world):
+    """On a crowded core an inline run may wait for the core past the budget; its function
+    did nothing long, so its next requests run inline too (not on the pool)."""
+    if rpc_world.rank == 0:
+        peer = rpc_world.peer()
+        before = rpc.rpc_sync(peer, where_requests_ran)
+        rpc.rpc_sync(peer, share_progress_threads_core_with_a_busy_process)
+        try:
+            names = [rpc.rpc_sync(peer, preempted_past_the_budget) for _ in range(3)]
+        finally:
+            rpc.rpc_sync(peer, stop_busy_process)
+        after = rpc.rpc_sync(peer, where_requests_ran)
+        assert names == ["distgrad-progress"] * 3, names
+        # Only the helpers, which run on the pool by design: the 3 requests ran inline.
+        assert after["requests_run_inline"] - before["requests_run_inline"] == 3, (before, after)
 
 
 def test_a_request_that_waits_hands_the_receiving_over_and_its_next_ones_run_on_the_pool(

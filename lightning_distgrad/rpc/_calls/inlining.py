@@ -6,11 +6,24 @@ take the GIL and answer. Whether a function does is learnt by trying: any functi
 may run inline; one whose inline run waited for something (the progress role then moved to
 another thread) or outlasted :data:`BUDGET_S` goes to the worker pool for its next
 ``2**n`` requests (``n``: how often that happened, capped), then is tried inline again.
+
+A run is judged by what its function did, not by how the machine treated it
+(:class:`InlineRun`): one that only waited for a core (more ranks than cores, or other
+processes) is short if its own CPU time is. Moving its function to the pool would not help
+(a worker waits for a core as well), and on a crowded node every function is preempted past
+the budget now and then: as each time doubles its stay on the pool, under sustained load most
+of its requests would run there.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
+
+try:
+    from resource import RUSAGE_THREAD, getrusage
+except ImportError:  # no per-thread counts (Windows, macOS): a long run counts as waiting
+    getrusage = None
 
 #: An inline run longer than this holds up the rank's other messages: its function moves to
 #: the pool for a while.
@@ -19,6 +32,40 @@ BUDGET_S = 0.001
 MAX_POOL_RUNS = 4096
 #: Functions remembered at most (bound methods of ever new objects are each a key).
 MAX_RECORDS = 4096
+
+
+def _voluntary_switches() -> int | None:
+    """How often this thread gave up its core to wait (sleep, lock, I/O, the GIL); None
+    where the platform does not count it."""
+    return None if getrusage is None else getrusage(RUSAGE_THREAD).ru_nvcsw
+
+
+class InlineRun:
+    """The clocks of one inline run, started where it begins.
+
+    Example::
+
+        >>> run = InlineRun()
+        >>> run.short()      # a run that did nothing
+        True
+    """
+
+    __slots__ = ("_wall", "_cpu", "_switches")
+
+    def __init__(self) -> None:
+        self._wall = time.perf_counter()
+        self._cpu = time.thread_time()
+        self._switches = _voluntary_switches()
+
+    def short(self) -> bool:
+        """Whether the run stayed within :data:`BUDGET_S`: of wall time, or, when the
+        machine only preempted it (it never gave up its core to wait), of its thread's CPU
+        time."""
+        if time.perf_counter() - self._wall <= BUDGET_S:
+            return True
+        if time.thread_time() - self._cpu > BUDGET_S:
+            return False
+        return self._switches is not None and _voluntary_switches() == self._switches
 
 
 class Inlining:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +31,7 @@ from .errors import (
     print_user_error,
     remote_error,
 )
-from .inlining import BUDGET_S, Inlining
+from .inlining import InlineRun, Inlining
 from .payload import UnpicklingContext, decode_payload, encode_payload
 from .remote_events import Recorder, recording_for_caller, split_profiled_request_body
 from .spans import profiling_key, recording_rpcs, run_recorded
@@ -216,7 +215,7 @@ class Serving:
             self.runs["pool"] += 1
             submit(functools.partial(self.run_request, source, frame, tensors))
             return
-        func, ctx_id, outcome, start = None, None, None, time.perf_counter()
+        func, ctx_id, outcome, run = None, None, None, InlineRun()
         try:
             hooks = autograd_hooks.get()
             ctx_id = hooks.context_of(frame.body)
@@ -241,7 +240,7 @@ class Serving:
             if not torch.is_grad_enabled():  # the run turned it off: later frames need it on
                 torch.set_grad_enabled(True)
             if func is not None:
-                self._inlining.ran(func, kept and time.perf_counter() - start <= BUDGET_S)
+                self._inlining.ran(func, kept and run.short())
         if outcome is not None:
             self._answer(source, frame.call_id, func, outcome, ctx_id)
 
