@@ -40,12 +40,23 @@ def test_a_run_that_only_waited_for_a_core_is_short():
         assert run.short()
 
 
-def test_a_long_run_sends_its_function_to_the_pool_for_twice_as_many_requests_each_time():
+def test_long_runs_in_a_row_send_a_function_to_the_pool_for_twice_as_many_requests_each_time():
     inlining = Inlining()
     assert inlining.allows(len)
     inlining.ran(len, ok=False)
     assert [inlining.allows(len) for _ in range(3)] == [False, False, True]
-    inlining.ran(len, ok=True)  # a short trial keeps the count of failures
-    inlining.ran(len, ok=False)
+    inlining.ran(len, ok=False)  # the trial ran long too
     assert [inlining.allows(len) for _ in range(5)] == [False] * 4 + [True]
     assert inlining.allows(print), "another function's record is its own"
+
+
+def test_a_short_trial_clears_the_record_of_long_runs():
+    """Occasional long runs (a collection of garbage, a wait for the GIL) never add up to a
+    long stay on the pool."""
+    inlining = Inlining()
+    for _ in range(3):
+        inlining.ran(len, ok=False)
+        while not inlining.allows(len):
+            pass
+        inlining.ran(len, ok=True)
+        assert inlining.allows(len), "the next request runs inline again"

@@ -5,7 +5,8 @@ that delivered it (an *inline run*, see ``_transport.progress``): no other threa
 take the GIL and answer. Whether a function does is learnt by trying: any function's request
 may run inline; one whose inline run waited for something (the progress role then moved to
 another thread) or outlasted :data:`BUDGET_S` goes to the worker pool for its next
-``2**n`` requests (``n``: how often that happened, capped), then is tried inline again.
+``2**n`` requests (``n``: how often that happened in a row, capped), then is tried inline
+again; a trial that runs short clears the record.
 
 A run is judged by what its function did, not by how the machine treated it
 (:class:`InlineRun`): one that only waited for a core (more ranks than cores, or other
@@ -99,6 +100,8 @@ class Inlining:
     def ran(self, func: Any, ok: bool) -> None:
         """An inline run of ``func`` ended; ``ok``: short, and it kept the progress role."""
         if ok:
+            if self._records:  # a failure now and then must not add up to a long stay
+                self._records.pop(func, None)
             return
         if len(self._records) >= MAX_RECORDS:
             self._records.clear()
