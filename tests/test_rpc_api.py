@@ -114,6 +114,7 @@ def where_requests_ran():
 
 
 _BUSY_CORE = contextlib.ExitStack()
+_BUSY_CORE_STOPPED = threading.Event()
 
 
 @served_on_the_pool
@@ -128,6 +129,7 @@ def share_progress_threads_core_with_a_busy_process():
 @served_on_the_pool
 def stop_busy_process():
     _BUSY_CORE.close()
+    _BUSY_CORE_STOPPED.set()
 
 
 def preempted_past_the_budget():
@@ -368,6 +370,10 @@ def test_a_request_preempted_past_the_budget_still_runs_where_it_is_delivered(rp
         assert names == ["distgrad-progress"] * 3, names
         # Only the helpers, which run on the pool by design: the 3 requests ran inline.
         assert after["requests_run_inline"] - before["requests_run_inline"] == 3, (before, after)
+    elif rpc_world.rank == 1:
+        # The served rank's main thread waits without taking the GIL meanwhile (a barrier
+        # would take it between its tests): a preempted run must not then wait for the GIL.
+        assert _BUSY_CORE_STOPPED.wait(scaled(60.0))
 
 
 def test_a_request_that_waits_hands_the_receiving_over_and_its_next_ones_run_on_the_pool(
