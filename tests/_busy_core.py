@@ -15,7 +15,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import threading  # noqa: F401 - the example's
 import time
 from collections.abc import Iterable, Iterator
 
