@@ -13,6 +13,9 @@ idle poller naps with a doubling backoff (mpi4py.futures style), and peers on
 the same node end the nap with the doorbell (see ``doorbell``). Where every peer
 can ring it, and this process rings it for every send it posts meanwhile, the
 naps of a quiet spell grow long: an idle agent wakes a few times a second.
+Right after traffic a poller expects more, so it does not nap yet: where every
+rank has a core it spins (``HOT_S``), and where ranks outnumber cores it yields
+its core between polls (``YIELD_S``), to any rank that needs it.
 
 Nothing a peer sends can stop progress: a frame that fails to decode or
 validate goes to ``on_malformed``, an error raised while handling a frame is
@@ -58,6 +61,12 @@ log = logging.getLogger("lightning_distgrad.rpc")
 
 # After traffic, poll without napping this long (only where every rank has a core).
 HOT_S = 0.002
+# Where ranks outnumber cores, a poller yields its core between polls this long after
+# traffic (or after it began to wait) before it naps: longer than a small request's round
+# trip there. A vCPU that halts in a nap is slow to come back (a 15 us nap took 87 us on a
+# 2-core VM, and the Python after it ran about twice as slow), while a yield hands the core
+# to any rank that can run and costs nothing when none can.
+YIELD_S = 0.0005
 # A transfer in flight keeps the poller hot this long after the last completion
 # (MPICH moves big messages only inside MPI calls); past it, naps resume.
 TRANSFER_HOT_S = 1.0
@@ -378,13 +387,15 @@ class Transport:
 
     def _drive(self, done: Callable[[], bool]) -> None:
         backoff = None if self.spin else ArmedBackoff(self._bell, self._poll_and_run)
+        naps_from = time.monotonic() + YIELD_S
         try:
             while not done():
                 progressed = self._poll_and_run()
                 if progressed:  # done() may be true now: check before yielding
                     if backoff is not None:
                         backoff.reset()
-                elif backoff is None:
+                        naps_from = time.monotonic() + YIELD_S
+                elif backoff is None or time.monotonic() < naps_from:
                     os.sched_yield()
                 else:
                     with self._lock:
@@ -431,11 +442,12 @@ class Transport:
         with self._lock:
             idle_for = now - self._last_traffic
             in_flight = self._sender.sends or self._receiver.incoming
-            hot = (
-                self.spin
-                and not self._handlers_running
-                and (idle_for < HOT_S or (in_flight and idle_for < TRANSFER_HOT_S))
-            )
+            if self._handlers_running:
+                hot = False
+            elif self.spin:
+                hot = idle_for < HOT_S or bool(in_flight and idle_for < TRANSFER_HOT_S)
+            else:
+                hot = idle_for < YIELD_S
             quiet = not hot and idle_for > QUIET_S
             self._napping_long = (
                 quiet

@@ -1,0 +1,104 @@
+"""Where ranks outnumber cores, a poller yields its core between polls for ``YIELD_S`` after
+traffic, and a waiter for ``YIELD_S`` after it began to wait, before either naps: a rank that
+needs the core gets it either way, and a core that nobody needs does not halt."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from _dist_utils import wait_until
+from mpi4py import MPI
+
+from lightning_distgrad.rpc._transport import FrameLimits, Transport, engine, local_devices
+
+#: A YIELD_S longer than any test runs: the poller yields throughout.
+LONG_WINDOW = 3600.0
+WINDOWS = [pytest.param(LONG_WINDOW, id="window"), pytest.param(0.0, id="no window")]
+
+
+def crowded_transport() -> Transport:
+    """A transport that polls as where ranks outnumber cores (its progress thread not started)."""
+    transport = Transport(
+        MPI.COMM_SELF,
+        lambda source, frame, tensors: None,
+        lambda source, error: None,
+        limits=FrameLimits(1 << 30, local_devices()),
+        transfer_timeout=60.0,
+    )
+    transport.spin = False
+    return transport
+
+
+def record_waits(transport: Transport, monkeypatch) -> list[tuple[str, int]]:
+    """("yield" or "nap", thread ident) for each yield of the core and each nap of the bell."""
+    events: list[tuple[str, int]] = []
+    sched_yield, nap = os.sched_yield, transport._bell.wait
+
+    def yielded() -> None:
+        events.append(("yield", threading.get_ident()))
+        sched_yield()
+
+    def napped(timeout: float) -> None:
+        events.append(("nap", threading.get_ident()))
+        nap(timeout)
+
+    monkeypatch.setattr(engine.os, "sched_yield", yielded)
+    monkeypatch.setattr(transport._bell, "wait", napped)
+    return events
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_after_traffic_the_poller_yields_its_core_before_it_naps(monkeypatch, window):
+    monkeypatch.setattr(engine, "YIELD_S", window)
+    transport = crowded_transport()
+    events = record_waits(transport, monkeypatch)
+    transport._last_traffic = engine.time.monotonic()  # traffic just now
+    transport.start()
+    try:
+        holder = transport._role
+        assert wait_until(lambda: sum(t == holder.holder for _, t in events) >= 50), events
+        polled = {kind for kind, t in events if t == holder.holder}
+    finally:
+        transport.stop()
+        transport.free()
+    assert polled == ({"yield"} if window else {"nap"})
+
+
+def test_while_handlers_run_on_the_pool_the_poller_naps_however_recent_the_traffic(monkeypatch):
+    """The handlers need the core (and the GIL) more than a poller that expects nothing."""
+    monkeypatch.setattr(engine, "YIELD_S", LONG_WINDOW)
+    transport = crowded_transport()
+    events = record_waits(transport, monkeypatch)
+    transport._last_traffic = engine.time.monotonic()
+    transport.busy(+1)
+    transport.start()
+    try:
+        holder = transport._role
+        assert wait_until(lambda: sum(t == holder.holder for _, t in events) >= 5), events
+        polled = {kind for kind, t in events if t == holder.holder}
+    finally:
+        transport.busy(-1)
+        transport.stop()
+        transport.free()
+    assert polled == {"nap"}
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_a_waiter_yields_its_core_before_it_naps(monkeypatch, window):
+    monkeypatch.setattr(engine, "YIELD_S", window)
+    transport = crowded_transport()
+    events = record_waits(transport, monkeypatch)
+    answered = threading.Event()
+    transport.start()
+    try:
+        transport.call_later(0.05, answered.set)  # fired by the waiter, which polls
+        assert transport.drive_until(answered.is_set)
+    finally:
+        transport.stop()
+        transport.free()
+    me = threading.get_ident()
+    waited = [kind for kind, t in events if t == me]
+    assert waited, "the waiter neither yielded nor napped"
+    assert set(waited) == ({"yield"} if window else {"nap"})
