@@ -88,6 +88,8 @@ def test_while_handlers_run_on_the_pool_the_poller_naps_however_recent_the_traff
 @pytest.mark.parametrize("window", WINDOWS)
 def test_a_waiter_yields_its_core_before_it_naps(monkeypatch, window):
     monkeypatch.setattr(engine, "YIELD_S", window)
+    # However long a yield takes here (other processes of the machine may take the core).
+    monkeypatch.setattr(engine, "GAVE_CORE_AWAY_S", LONG_WINDOW)
     transport = crowded_transport()
     events = record_waits(transport, monkeypatch)
     answered = threading.Event()
@@ -102,3 +104,29 @@ def test_a_waiter_yields_its_core_before_it_naps(monkeypatch, window):
     waited = [kind for kind, t in events if t == me]
     assert waited, "the waiter neither yielded nor napped"
     assert set(waited) == ({"yield"} if window else {"nap"})
+
+
+def test_a_waiter_whose_yield_ran_another_thread_naps_from_then_on(monkeypatch):
+    """Every core is in demand: the waiter leaves its core to them and is rung instead."""
+    monkeypatch.setattr(engine, "YIELD_S", LONG_WINDOW)
+    transport = crowded_transport()
+    events = record_waits(transport, monkeypatch)
+    recorded_yield = engine.os.sched_yield
+
+    def yield_to_another_thread() -> None:  # as when another runnable thread takes the core
+        recorded_yield()
+        engine.time.sleep(100 * engine.GAVE_CORE_AWAY_S)
+
+    monkeypatch.setattr(engine.os, "sched_yield", yield_to_another_thread)
+    answered = threading.Event()
+    transport.start()
+    try:
+        transport.call_later(0.05, answered.set)
+        assert transport.drive_until(answered.is_set)
+    finally:
+        transport.stop()
+        transport.free()
+    me = threading.get_ident()
+    waited = [kind for kind, t in events if t == me]
+    assert waited[0] == "yield" and waited.count("yield") == 1, waited
+    assert "nap" in waited, waited

@@ -62,11 +62,15 @@ log = logging.getLogger("lightning_distgrad.rpc")
 # After traffic, poll without napping this long (only where every rank has a core).
 HOT_S = 0.002
 # Where ranks outnumber cores, a poller yields its core between polls this long after
-# traffic (or after it began to wait) before it naps: longer than a small request's round
-# trip there. A vCPU that halts in a nap is slow to come back (a 15 us nap took 87 us on a
+# traffic (a waiter: after it began to wait) before it naps: longer than a small request's
+# round trip there. A vCPU that halts in a nap is slow to come back (a 15 us nap took 87 us on a
 # 2-core VM, and the Python after it ran about twice as slow), while a yield hands the core
 # to any rank that can run and costs nothing when none can.
 YIELD_S = 0.0005
+# A yield that returns later than this ran another thread meanwhile: every core is in
+# demand, so a waiter naps from then on (it is rung when its answer comes) rather than
+# take turns on a core with the rank that must answer it.
+GAVE_CORE_AWAY_S = 2e-5
 # A transfer in flight keeps the poller hot this long after the last completion
 # (MPICH moves big messages only inside MPI calls); past it, naps resume.
 TRANSFER_HOT_S = 1.0
@@ -395,8 +399,12 @@ class Transport:
                     if backoff is not None:
                         backoff.reset()
                         naps_from = time.monotonic() + YIELD_S
-                elif backoff is None or time.monotonic() < naps_from:
+                elif backoff is None:
                     os.sched_yield()
+                elif (now := time.monotonic()) < naps_from:
+                    os.sched_yield()
+                    if time.monotonic() - now > GAVE_CORE_AWAY_S:
+                        naps_from = now
                 else:
                     with self._lock:
                         limit = self._timers.until_next(time.monotonic())
