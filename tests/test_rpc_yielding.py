@@ -49,49 +49,38 @@ def record_waits(transport: Transport, monkeypatch) -> list[tuple[str, int]]:
     return events
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-def test_after_traffic_the_poller_yields_its_core_before_it_naps(monkeypatch, window):
+def progress_thread_waits(window: float, handlers_running: int, monkeypatch) -> set[str]:
+    """How the progress thread of a crowded transport waits between polls right after traffic
+    ("yield", "nap"), with ``YIELD_S = window`` and ``handlers_running`` handlers on the pool."""
     monkeypatch.setattr(engine, "YIELD_S", window)
     transport = crowded_transport()
     events = record_waits(transport, monkeypatch)
     transport._last_traffic = engine.time.monotonic()  # traffic just now
+    transport.busy(handlers_running)
     transport.start()
     try:
-        holder = transport._role
-        assert wait_until(lambda: sum(t == holder.holder for _, t in events) >= 50), events
-        polled = {kind for kind, t in events if t == holder.holder}
+        role = transport._role
+        assert wait_until(lambda: sum(t == role.holder for _, t in events) >= 50), events
+        return {kind for kind, t in events if t == role.holder}
     finally:
+        transport.busy(-handlers_running)
         transport.stop()
         transport.free()
-    assert polled == ({"yield"} if window else {"nap"})
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_after_traffic_the_poller_yields_its_core_before_it_naps(monkeypatch, window):
+    waits = progress_thread_waits(window, 0, monkeypatch)
+    assert waits == ({"yield"} if window else {"nap"})
 
 
 def test_while_handlers_run_on_the_pool_the_poller_naps_however_recent_the_traffic(monkeypatch):
     """The handlers need the core (and the GIL) more than a poller that expects nothing."""
-    monkeypatch.setattr(engine, "YIELD_S", LONG_WINDOW)
-    transport = crowded_transport()
-    events = record_waits(transport, monkeypatch)
-    transport._last_traffic = engine.time.monotonic()
-    transport.busy(+1)
-    transport.start()
-    try:
-        holder = transport._role
-        assert wait_until(lambda: sum(t == holder.holder for _, t in events) >= 5), events
-        polled = {kind for kind, t in events if t == holder.holder}
-    finally:
-        transport.busy(-1)
-        transport.stop()
-        transport.free()
-    assert polled == {"nap"}
+    assert progress_thread_waits(LONG_WINDOW, 1, monkeypatch) == {"nap"}
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-def test_a_waiter_yields_its_core_before_it_naps(monkeypatch, window):
-    monkeypatch.setattr(engine, "YIELD_S", window)
-    # However long a yield takes here (other processes of the machine may take the core).
-    monkeypatch.setattr(engine, "GAVE_CORE_AWAY_S", LONG_WINDOW)
-    transport = crowded_transport()
-    events = record_waits(transport, monkeypatch)
+def waiter_waits(transport: Transport, events: list[tuple[str, int]]) -> list[str]:
+    """How this thread waits ("yield", "nap") for an answer that comes 50 ms from now."""
     answered = threading.Event()
     transport.start()
     try:
@@ -101,7 +90,16 @@ def test_a_waiter_yields_its_core_before_it_naps(monkeypatch, window):
         transport.stop()
         transport.free()
     me = threading.get_ident()
-    waited = [kind for kind, t in events if t == me]
+    return [kind for kind, t in events if t == me]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_a_waiter_yields_its_core_before_it_naps(monkeypatch, window):
+    monkeypatch.setattr(engine, "YIELD_S", window)
+    # However long a yield takes here (other processes of the machine may take the core).
+    monkeypatch.setattr(engine, "GAVE_CORE_AWAY_S", LONG_WINDOW)
+    transport = crowded_transport()
+    waited = waiter_waits(transport, record_waits(transport, monkeypatch))
     assert waited, "the waiter neither yielded nor napped"
     assert set(waited) == ({"yield"} if window else {"nap"})
 
@@ -118,15 +116,6 @@ def test_a_waiter_whose_yield_ran_another_thread_naps_from_then_on(monkeypatch):
         engine.time.sleep(100 * engine.GAVE_CORE_AWAY_S)
 
     monkeypatch.setattr(engine.os, "sched_yield", yield_to_another_thread)
-    answered = threading.Event()
-    transport.start()
-    try:
-        transport.call_later(0.05, answered.set)
-        assert transport.drive_until(answered.is_set)
-    finally:
-        transport.stop()
-        transport.free()
-    me = threading.get_ident()
-    waited = [kind for kind, t in events if t == me]
+    waited = waiter_waits(transport, events)
     assert waited[0] == "yield" and waited.count("yield") == 1, waited
     assert "nap" in waited, waited
