@@ -1,6 +1,7 @@
 """Where ranks outnumber cores, a poller yields its core between polls for ``YIELD_S`` after
 traffic, and a waiter for ``YIELD_S`` after it began to wait, before either naps: a rank that
-needs the core gets it either way, and a core that nobody needs does not halt."""
+needs the core gets it either way, and a core that nobody needs does not halt. A waiter whose
+yield ran another thread naps from then on: every core is in demand."""
 
 from __future__ import annotations
 
