@@ -11,15 +11,14 @@ import time
 import pytest
 from _dist_utils import wait_until
 from _timing import scaled
+from _transports import make_transport
 from mpi4py import MPI
 
 from lightning_distgrad.rpc._calls.waiting import Waiter
 from lightning_distgrad.rpc._transport import (
     Frame,
-    FrameLimits,
     Kind,
     Transport,
-    local_devices,
     progress,
 )
 from lightning_distgrad.rpc._transport import doorbell as _doorbell
@@ -29,17 +28,6 @@ from lightning_distgrad.rpc._transport.engine import QUIET_NAP_S, RUNG_QUIET_NAP
 BODY = Frame(Kind.RREF_FORK, -1, None, (), ("body",))
 #: Tries at a check that needs the progress thread in a nap (not between two) at one instant.
 ATTEMPTS = 20
-
-
-def make_transport(comm, on_frame=lambda source, frame, tensors: None) -> Transport:
-    """A transport whose progress thread is not started (tests poll it by hand)."""
-    return Transport(
-        comm,
-        on_frame,
-        lambda source, error: None,
-        limits=FrameLimits(1 << 30, local_devices()),
-        transfer_timeout=60.0,
-    )
 
 
 class _Message:

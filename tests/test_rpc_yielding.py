@@ -10,9 +10,10 @@ import threading
 
 import pytest
 from _dist_utils import wait_until
+from _transports import make_transport
 from mpi4py import MPI
 
-from lightning_distgrad.rpc._transport import FrameLimits, Transport, engine, local_devices
+from lightning_distgrad.rpc._transport import Transport, engine
 
 #: A YIELD_S longer than any test runs: the poller yields throughout.
 LONG_WINDOW = 3600.0
@@ -21,13 +22,7 @@ WINDOWS = [pytest.param(LONG_WINDOW, id="window"), pytest.param(0.0, id="no wind
 
 def crowded_transport() -> Transport:
     """A transport that polls as where ranks outnumber cores (its progress thread not started)."""
-    transport = Transport(
-        MPI.COMM_SELF,
-        lambda source, frame, tensors: None,
-        lambda source, error: None,
-        limits=FrameLimits(1 << 30, local_devices()),
-        transfer_timeout=60.0,
-    )
+    transport = make_transport(MPI.COMM_SELF)
     transport.spin = False
     return transport
 
