@@ -753,6 +753,57 @@ def test_an_rpc_results_gradient_leaves_before_local_work_that_does_not_feed_it(
     torch.testing.assert_close(grad, torch.full((3,), 3.0))
 
 
+@pytest.mark.parametrize(
+    ("weight", "root_calls"),
+    [(lambda w: w, 1), (lambda w: w.exp(), 2)],
+    ids=["weight-transposes-join-the-call", "work-beside-the-recv-is-split-off"],
+)
+def test_weight_transposes_run_in_the_native_call_that_finishes_an_rpc_result(
+    rpc_world, monkeypatch, weight, root_calls
+):
+    """Local linear layers over an RPC's result: their weights' transposes (views of a
+    gradient, no work for the callee to overlap) run in the root's one native call with the
+    layers. Work beside the recv (here ``exp`` of a weight) still runs in a call of its own,
+    after the recv's gradient left. Gradients are local autograd's either way."""
+    calls = []
+    root_thread = threading.local()
+    native_grad = dist_autograd._pass.native_grad
+    deliver_roots = dist_autograd._pass.Pass.deliver_roots
+
+    def counting_native_grad(*args):
+        calls.append(getattr(root_thread, "in_roots", False))
+        return native_grad(*args)
+
+    def counting_deliver_roots(self, *args):
+        root_thread.in_roots = True
+        try:
+            return deliver_roots(self, *args)
+        finally:
+            root_thread.in_roots = False
+
+    monkeypatch.setattr(dist_autograd._pass, "native_grad", counting_native_grad)
+    monkeypatch.setattr(dist_autograd._pass.Pass, "deliver_roots", counting_deliver_roots)
+    torch.manual_seed(rpc_world.rank)
+    x = torch.rand(4, 3, requires_grad=True)
+    layers = [(torch.rand(3, 3, requires_grad=True), torch.rand(3, requires_grad=True))]
+    layers.append((torch.rand(3, 3, requires_grad=True), torch.rand(3, requires_grad=True)))
+
+    def loss_of(h):
+        for w, b in layers:
+            h = F.linear(h, weight(w), b)
+        return h.sum()
+
+    leaves = [x, *layers[0], *layers[1]]
+    expected = torch.autograd.grad(loss_of(torch.add(x, x)), leaves)
+    with dist_autograd.context() as context_id:
+        loss = loss_of(rpc.rpc_sync(rpc_world.peer(), torch.add, (x, x)))
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)
+    assert calls.count(True) == root_calls
+    for leaf, e in zip(leaves, expected, strict=True):
+        torch.testing.assert_close(grads[leaf], e)
+
+
 def test_post_hooks(rpc_world):
     calls = []
     t = torch.rand(10, 10, requires_grad=True)

@@ -12,7 +12,8 @@ Gradients leave as soon as they are known, as PyTorch's engine sends them
 while it runs on: when a region would finish recv functions and also run
 nodes they do not need, the nodes they need run first, in a native call of
 their own, and their gradient messages are shipped before the next region
-runs, so the peers work on them meanwhile.
+runs, so the peers work on them meanwhile. Nodes that only hand leaves a view of
+their gradient (weight transposes) are not split off: they have no work to overlap.
 
 A send function is an identity: the gradients its peer ships go straight to
 the nodes of the tensors it sent, with no native run for the send node itself.
@@ -47,6 +48,9 @@ from ._wrappers import check_no_sharded_modules
 #: gradients collected for its peer.
 SEND_FUNCTION_SPAN = "torch::distributed::autograd::SendRpcBackward"
 RECV_FUNCTION_SPAN = "torch::distributed::autograd::RecvRpcBackward"
+
+#: Nodes whose backward returns a view of their gradient, whatever its values.
+VIEW_NODES = frozenset(("TBackward0", "TransposeBackward0", "PermuteBackward0"))
 
 #: Where a pass hands gradient messages ``[(peer, items)]`` to leave while it runs on.
 Ship = Callable[[list[tuple[int, list]]], None]
@@ -309,11 +313,19 @@ class Pass:
         if not recvs or len(recvs) == len(targets):
             return None
         first = self.graph.ancestors_within(recvs, set(run))
-        if len(first) == len(run):
+        if len(first) == len(run) or all(self._views_a_leaf(n) for n in run if n not in first):
             return None
         part = [n for n in run if n in first]
         split = self._split_off_conflicts(part)
         return split if split is not None and len(split[0]) == len(part) else None
+
+    def _views_a_leaf(self, node: Any) -> bool:
+        """Whether ``node`` hands only a view of its gradient to leaves (``nn.Linear``'s
+        weight transpose). Such nodes run in the recvs' native call: they do no work a peer
+        could overlap, and a call of their own costs more (about 10 us an edge)."""
+        return type(node).__name__ in VIEW_NODES and all(
+            is_leaf_node(child) for child, _ in self.graph.children[node]
+        )
 
     def _run_native(self, run: list, capture: list) -> None:
         """One native call: ``run``'s buffered gradients in, ``capture``'s gradients out."""
