@@ -313,8 +313,8 @@ class Pass:
         if not recvs or len(recvs) == len(targets):
             return None
         first = self.graph.ancestors_within(recvs, set(run))
-        if len(first) == len(run) or all(self._views_a_leaf(n) for n in run if n not in first):
-            return None
+        if all(self._views_a_leaf(n) for n in run if n not in first):
+            return None  # nothing else runs, or nothing a peer could overlap
         part = [n for n in run if n in first]
         split = self._split_off_conflicts(part)
         return split if split is not None and len(split[0]) == len(part) else None
