@@ -14,6 +14,7 @@ ORDER = [
     "bandwidth",
     "design_note",
     "overlap",
+    "local_layers",
     "sparse_grad",
     "scaling",
     "param_server",
