@@ -1,8 +1,8 @@
 """Local layers over an RPC result: the root's iteration and backward, ours vs TensorPipe.
 
-Rank 0 computes ``mlp(rpc_sync("worker1", torch.add, (x, x))).sum()`` for MLPs of ``LAYERS``
-linear layers (and ``Tanh``) of ``WIDTH`` units, and runs the distributed backward pass: the
-root's own pass walks every local layer, while the callee runs one operator. Each figure is a
+Rank 0 computes ``mlp(rpc_sync("worker1", torch.add, (x, x))).sum()`` for MLPs of linear
+layers and ``Tanh`` (``SHAPES``), and runs the distributed backward pass: the root's own pass
+walks every local layer, while the callee runs one operator. Each figure is a
 median over rounds with both stacks started afresh (the order alternating); the backward's
 second anchor is plain local autograd on the same values. The last gradients of each stack
 must match local autograd's."""
