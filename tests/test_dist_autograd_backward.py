@@ -785,15 +785,16 @@ def test_weight_transposes_run_in_the_native_call_that_finishes_an_rpc_result(
     monkeypatch.setattr(dist_autograd._pass.Pass, "deliver_roots", counting_deliver_roots)
     torch.manual_seed(rpc_world.rank)
     x = torch.rand(4, 3, requires_grad=True)
-    layers = [(torch.rand(3, 3, requires_grad=True), torch.rand(3, requires_grad=True))]
-    layers.append((torch.rand(3, 3, requires_grad=True), torch.rand(3, requires_grad=True)))
+    layers = [
+        (torch.rand(3, 3, requires_grad=True), torch.rand(3, requires_grad=True)) for _ in range(2)
+    ]
 
     def loss_of(h):
         for w, b in layers:
             h = F.linear(h, weight(w), b)
         return h.sum()
 
-    leaves = [x, *layers[0], *layers[1]]
+    leaves = [x, *(t for layer in layers for t in layer)]
     expected = torch.autograd.grad(loss_of(torch.add(x, x)), leaves)
     with dist_autograd.context() as context_id:
         loss = loss_of(rpc.rpc_sync(rpc_world.peer(), torch.add, (x, x)))
