@@ -2,8 +2,8 @@
 
 Rank 0 computes ``mlp(rpc_sync("worker1", torch.add, (x, x))).sum()`` for MLPs of linear
 layers and ``Tanh`` (``SHAPES``), and runs the distributed backward pass: the root's own pass
-walks every local layer, while the callee runs one operator. Each figure is a
-median over rounds with both stacks started afresh (the order alternating); the backward's
+walks every local layer, while the callee runs one operator. Each figure is a median over
+rounds; a round starts each stack once for every shape (the order alternating). The backward's
 second anchor is plain local autograd on the same values. The last gradients of each stack
 must match local autograd's."""
 
@@ -72,26 +72,29 @@ def local_backward(layers: int, width: int, reps: int) -> list[float]:
 
 def measure(comm, args) -> tuple[list[dict], dict]:
     reps, warmup = (PLAN[0] // 10, PLAN[1] // 10) if args.quick else PLAN
-    root = comm.Get_rank() == 0
+    shapes = SHAPES if comm.Get_rank() == 0 else ()
+    times = {
+        (kind, shape): {"iteration": [], "backward": []}
+        for kind in ("ours", "tp")
+        for shape in shapes
+    }
+    local: dict = {shape: [] for shape in shapes}
+    for r in range(1 if args.quick else 2):
+        for kind in ("ours", "tp")[:: 1 if r % 2 == 0 else -1]:
+            with Stack(kind, comm) as s:
+                for shape in shapes:
+                    for what, t in time_stack(s, *shape, reps, warmup).items():
+                        times[kind, shape][what] += t
+        for shape in shapes:
+            local[shape] += local_backward(*shape, reps)
     rows = []
-    for layers, width in SHAPES:
-        times = {kind: {"iteration": [], "backward": []} for kind in ("ours", "tp")}
-        local: list[float] = []
-        for r in range(1 if args.quick else 2):
-            for kind in ("ours", "tp")[:: 1 if r % 2 == 0 else -1]:
-                with Stack(kind, comm) as s:
-                    if root:
-                        for what, t in time_stack(s, layers, width, reps, warmup).items():
-                            times[kind][what] += t
-            if root:
-                local += local_backward(layers, width, reps)
-        if root:
-            ours, tp = times["ours"], times["tp"]
-            name = f"{layers} x Linear({width}) over an RPC result"
-            it = (median(ours["iteration"]), median(tp["iteration"]))
-            rows.append(row(f"{name}, iteration", *it, TP, "s"))
-            back = (median(ours["backward"]), median(local))
-            rows.append(row(f"{name}, backward", *back, "local autograd", "s"))
+    for layers, width in shapes:
+        ours, tp = times["ours", (layers, width)], times["tp", (layers, width)]
+        name = f"{layers} x Linear({width}) over an RPC result"
+        it = (median(ours["iteration"]), median(tp["iteration"]))
+        rows.append(row(f"{name}, iteration", *it, TP, "s"))
+        back = (median(ours["backward"]), median(local[layers, width]))
+        rows.append(row(f"{name}, backward", *back, "local autograd", "s"))
     return rows, {}
 
 
